@@ -1,0 +1,1 @@
+"""Conformance cases, one module per feature; each registers its cases on import."""

@@ -1,0 +1,319 @@
+"""Conformance cases: registry, tolerance policy, comparison, poisoning and timing.
+
+A *case* checks one candidate (an aiak op, optimizer, hook, amp mode) against a PyTorch
+reference on fresh random inputs. It is data: ``specs(device)`` lists the variants to run
+(dtype, shapes, options), ``make_inputs`` draws inputs for one variant, ``reference`` computes
+the truth (float64 where it matters; it runs first and must not mutate the inputs),
+``candidate`` runs the thing under test (it may mutate them), and ``baseline``
+(optional) is what a user would run with stock PyTorch, timed beside the candidate by
+``--bench``. Outputs are dicts of tensors; the harness compares each one under the tolerance
+policy of ARCHITECTURE.md:
+
+    relative L2 error ||out - ref|| / ||ref|| against the float64 reference:
+    fp32 <= 1e-5 (pure elementwise <= 1e-6), tf32 <= 5e-4, fp16 <= 5e-3, bf16 <= 2e-2,
+    NaN never passes unless the reference has NaN at the same place.
+
+Outputs named in ``Case.exact`` (flags, indices, counts) must match exactly.
+
+Cases register themselves with :func:`register` when their module in
+``aiak.conformance.cases`` is imported; :func:`all_cases` imports every module there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+import pkgutil
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+__all__ = [
+    "TOLERANCE",
+    "Case",
+    "Result",
+    "Spec",
+    "all_cases",
+    "compare",
+    "poison_allocator",
+    "register",
+    "rel_l2_error",
+    "run_case",
+    "time_cuda",
+    "tolerance",
+]
+
+# Relative L2 error bounds against a float64 reference (ARCHITECTURE.md, "Numerical conformance").
+TOLERANCE: Mapping[str, float] = {
+    "float32": 1e-5,
+    "float32-elementwise": 1e-6,
+    "tf32": 5e-4,
+    "float16": 5e-3,
+    "bfloat16": 2e-2,
+    "float64": 1e-12,
+}
+
+
+def tolerance(dtype: torch.dtype | str, elementwise: bool = False) -> float:
+    """The policy's bound for ``dtype`` (``"tf32"`` may be passed as a string)."""
+    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    if name == "float32" and elementwise:
+        name = "float32-elementwise"
+    if name not in TOLERANCE:
+        raise ValueError(f"tolerance: no policy for dtype {dtype!r}; known: {sorted(TOLERANCE)}")
+    return TOLERANCE[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """One variant of a case: a label, the dtype that sets the tolerance, free parameters.
+
+    ``large`` variants (> 2**31 elements and the like) run only with ``--large``; ``bench``
+    variants are the ones ``--bench`` times against the baseline.
+    """
+
+    label: str
+    dtype: torch.dtype = torch.float32
+    params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    elementwise: bool = False
+    large: bool = False
+    bench: bool = False
+    tol: float | None = None  # overrides the policy where a case states its own bound
+
+    def tolerance(self) -> float:
+        return self.tol if self.tol is not None else tolerance(self.dtype, self.elementwise)
+
+
+Outputs = Mapping[str, torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """A conformance case. See the module docstring for the contract of each field."""
+
+    name: str
+    specs: Callable[[torch.device], Iterable[Spec]]
+    make_inputs: Callable[[Spec, torch.device, torch.Generator], Any]
+    candidate: Callable[[Any], Outputs]
+    reference: Callable[[Any], Outputs]
+    baseline: Callable[[Any], Any] | None = None
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    exact: tuple[str, ...] = ()
+    description: str = ""
+
+
+@dataclasses.dataclass
+class Result:
+    case: str
+    label: str
+    device: str
+    dtype: str
+    passed: bool
+    errors: dict[str, float]
+    tolerance: float
+    seed: int
+    message: str = ""
+    candidate_ms: float | None = None
+    baseline_ms: float | None = None
+
+    @property
+    def speedup(self) -> float | None:
+        if self.candidate_ms and self.baseline_ms:
+            return self.baseline_ms / self.candidate_ms
+        return None
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["speedup"] = self.speedup
+        return d
+
+
+_REGISTRY: dict[str, Case] = {}
+
+
+
+def register(case: Case) -> Case:
+    """Add ``case`` to the registry; a second case with the same name is an error."""
+    if not isinstance(case, Case):
+        raise TypeError(f"register: case must be a Case, got {type(case).__name__}")
+    if case.name in _REGISTRY and _REGISTRY[case.name] is not case:
+        raise ValueError(f"register: a case named {case.name!r} is already registered")
+    _REGISTRY[case.name] = case
+    return case
+
+
+def all_cases() -> list[Case]:
+    """Every registered case, after importing every module of ``aiak.conformance.cases``.
+
+    A feature adds its cases by adding a module there; nothing else needs editing.
+    """
+    from aiak.conformance import cases
+
+    for info in pkgutil.iter_modules(cases.__path__):
+        if not info.name.startswith("_"):
+            importlib.import_module(f"{cases.__name__}.{info.name}")
+    return [_REGISTRY[k] for k in sorted(_REGISTRY)]
+
+
+# --------------------------------------------------------------------------------------------
+# Comparison
+# --------------------------------------------------------------------------------------------
+
+
+def rel_l2_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64 over the finite part; inf when NaN/inf patterns differ.
+
+    Where the reference is all zeros the absolute L2 error is returned instead.
+    """
+    out = out.detach().to("cpu", torch.float64)
+    ref = ref.detach().to("cpu", torch.float64)
+    if out.shape != ref.shape:
+        return math.inf
+    if out.numel() == 0:
+        return 0.0
+    ref_nan, out_nan = torch.isnan(ref), torch.isnan(out)
+    if not torch.equal(ref_nan, out_nan):
+        return math.inf
+    ref_inf, out_inf = torch.isinf(ref), torch.isinf(out)
+    if not torch.equal(ref_inf, out_inf) or not torch.equal(ref[ref_inf], out[out_inf]):
+        return math.inf
+    finite = ~(ref_nan | ref_inf)
+    diff = torch.linalg.vector_norm(out[finite] - ref[finite]).item()
+    scale = torch.linalg.vector_norm(ref[finite]).item()
+    return diff / scale if scale > 0 else diff
+
+
+def compare(
+    outputs: Outputs, reference: Outputs, tol: float, exact: Iterable[str] = ()
+) -> tuple[bool, dict[str, float], str]:
+    """Compare every reference output; returns (passed, errors, first failure message)."""
+    exact = set(exact)
+    errors: dict[str, float] = {}
+    failures: list[str] = []
+    missing = set(reference) - set(outputs)
+    if missing:
+        return False, {}, f"candidate did not return {sorted(missing)}"
+    for key, ref in reference.items():
+        out = outputs[key]
+        if key in exact:
+            same = out.shape == ref.shape and torch.equal(
+                out.detach().cpu().to(ref.dtype), ref.detach().cpu()
+            )
+            errors[key] = 0.0 if same else math.inf
+            if not same:
+                failures.append(f"{key}: not exactly equal ({_first_mismatch(out, ref)})")
+            continue
+        err = rel_l2_error(out, ref)
+        errors[key] = err
+        if not err <= tol:  # also catches NaN
+            failures.append(f"{key}: rel L2 error {err:.3g} > {tol:.1g} ({_first_mismatch(out, ref)})")
+    return not failures, errors, "; ".join(failures)
+
+
+def _first_mismatch(out: torch.Tensor, ref: torch.Tensor) -> str:
+    out = out.detach().cpu().double()
+    ref = ref.detach().cpu().double()
+    if out.shape != ref.shape:
+        return f"shape {tuple(out.shape)} vs reference {tuple(ref.shape)}"
+    bad = ~torch.isclose(out, ref, rtol=1e-3, atol=1e-6, equal_nan=True)
+    idx = bad.nonzero()
+    if idx.numel() == 0:
+        return "no single element off by more than 1e-3"
+    first = tuple(idx[0].tolist())
+    return f"first mismatch at {first}: {out[first].item():.6g} vs {ref[first].item():.6g}"
+
+
+# --------------------------------------------------------------------------------------------
+# Poisoning and timing
+# --------------------------------------------------------------------------------------------
+
+_POISON_SIZES = (512, 1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24, 1 << 26)
+
+
+def poison_allocator(device: torch.device, extra_bytes: int = 0) -> None:
+    """Fill blocks the caching allocator will hand out next with NaN bytes (0xFF).
+
+    Outputs the candidate allocates with ``torch.empty`` then start as NaN, so an element the
+    kernel forgets to write fails the comparison. Best effort by construction (the allocator
+    may split blocks differently); in-place outputs are poisoned explicitly by ``make_inputs``.
+    """
+    if device.type != "cuda":
+        return
+    blocks = [
+        torch.full((n,), 0xFF, dtype=torch.uint8, device=device)
+        for n in (*_POISON_SIZES, extra_bytes)
+        if n
+    ]
+    del blocks  # freed into the cache, still holding 0xFF
+
+
+def time_cuda(fn: Callable[[], Any], warmup: int = 3, iters: int = 20) -> float:
+    """Median milliseconds of ``fn`` measured with CUDA events after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+# --------------------------------------------------------------------------------------------
+# Running
+# --------------------------------------------------------------------------------------------
+
+
+def run_case(
+    case: Case,
+    device: torch.device,
+    *,
+    seed: int | None = None,
+    large: bool = False,
+    bench: bool = False,
+    on_result: Callable[[Result], None] | None = None,
+) -> list[Result]:
+    """Run every variant of ``case`` on ``device``; one :class:`Result` per variant."""
+    results = []
+    base_seed = seed if seed is not None else time.time_ns() % (2**31)
+    for i, spec in enumerate(case.specs(device)):
+        if spec.large and not large:
+            continue
+        s = base_seed + i
+        result = _run_spec(case, spec, device, s, bench)
+        results.append(result)
+        if on_result is not None:
+            on_result(result)
+    return results
+
+
+def _run_spec(case: Case, spec: Spec, device: torch.device, seed: int, bench: bool) -> Result:
+    dtype = str(spec.dtype).removeprefix("torch.")
+    tol = spec.tolerance()
+    result = Result(case.name, spec.label, str(device), dtype, False, {}, tol, seed)
+    try:
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        inputs = case.make_inputs(spec, device, gen)
+        # The reference runs first and must not mutate the inputs; the candidate may (in-place
+        # ops, optimizer steps) and its in-place outputs were poisoned by make_inputs.
+        ref = case.reference(inputs)
+        poison_allocator(device)
+        outputs = case.candidate(inputs)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        result.passed, result.errors, result.message = compare(outputs, ref, tol, case.exact)
+        if bench and spec.bench and device.type == "cuda" and case.baseline is not None:
+            result.candidate_ms = time_cuda(lambda: case.candidate(inputs))
+            result.baseline_ms = time_cuda(lambda: case.baseline(inputs))
+    except Exception as exc:  # a crash is a failed case, reported, not an aborted suite
+        result.passed = False
+        result.message = f"{type(exc).__name__}: {exc}"
+    return result

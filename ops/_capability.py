@@ -1,0 +1,138 @@
+"""What each op's CUDA kernel supports, as data; why a call falls back; input checks.
+
+``Capability.not_supported_reasons`` feeds both the choice of implementation (kernel, or the
+PyTorch reference with a one-time warning naming the reasons) and ``aiak.ops.backends()``.
+Input errors (wrong types, mismatched lists, mixed devices) are not fallbacks: they raise
+``TypeError``/``ValueError`` naming the argument, the same on every device and path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import warnings
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from aiak.ops import _cuda
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclasses.dataclass(frozen=True)
+class Capability:
+    """What the CUDA kernel of op ``name`` handles; anything else runs the reference."""
+
+    name: str
+    dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES
+    backend: str = "cupy"
+    min_compute_capability: tuple[int, int] = (7, 0)
+    deterministic: bool = True
+
+    def not_supported_reasons(
+        self, device: torch.device, dtypes: Iterable[torch.dtype] = ()
+    ) -> list[str]:
+        """Why the kernel cannot run on ``device`` for ``dtypes``; empty when it can."""
+        reasons: list[str] = []
+        if device.type != "cuda":
+            return [f"{self.name}: the kernel runs on cuda, not {device.type}"]
+        for dt in sorted(set(dtypes) - set(self.dtypes), key=str):
+            allowed = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
+            reasons.append(f"{self.name}: dtype {str(dt).removeprefix('torch.')} not in ({allowed})")
+        if _cuda.kernels_disabled():
+            reasons.append(f"{self.name}: AIAK_DISABLE_KERNELS=1")
+            return reasons
+        reason = _cuda.cupy_unavailable_reason()
+        if reason is not None:
+            reasons.append(f"{self.name}: {reason}")
+        cc = torch.cuda.get_device_capability(device)
+        if cc < self.min_compute_capability:
+            need = ".".join(map(str, self.min_compute_capability))
+            reasons.append(f"{self.name}: compute capability {cc[0]}.{cc[1]} < {need}")
+        return reasons
+
+
+CAPABILITIES: dict[str, Capability] = {}
+_warned: set[tuple[str, tuple[str, ...]]] = set()
+_warn_lock = threading.Lock()
+
+
+def declare(cap: Capability) -> Capability:
+    CAPABILITIES[cap.name] = cap
+    return cap
+
+
+def use_kernel(cap: Capability, device: torch.device, dtypes: Iterable[torch.dtype]) -> bool:
+    """True when the CUDA kernel can run; otherwise warn once (per reason set) and say False."""
+    reasons = cap.not_supported_reasons(device, dtypes)
+    if not reasons:
+        return True
+    key = (cap.name, tuple(reasons))
+    with _warn_lock:
+        first = key not in _warned
+        _warned.add(key)
+    if first:
+        warnings.warn(
+            "falling back to the PyTorch reference: " + "; ".join(reasons),
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return False
+
+
+# --------------------------------------------------------------------------------------------
+# Input checks, shared by the reference and the kernel so both reject the same inputs.
+# --------------------------------------------------------------------------------------------
+
+
+def check_tensor_list(
+    op: str, arg: str, tensors: Sequence[torch.Tensor], dtypes: tuple[torch.dtype, ...]
+) -> torch.device | None:
+    """Check ``tensors`` is a list of strided tensors of ``dtypes`` on one device; its device."""
+    if not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"{op}: {arg} must be a list of tensors, got {type(tensors).__name__}")
+    device = None
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {arg}[{i}] must be a Tensor, got {type(t).__name__}")
+        if t.layout != torch.strided:
+            raise TypeError(f"{op}: {arg}[{i}] has layout {t.layout}; only dense tensors")
+        if t.dtype not in dtypes:
+            allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+            raise TypeError(
+                f"{op}: {arg}[{i}] has dtype {str(t.dtype).removeprefix('torch.')}; "
+                f"supported: {allowed}"
+            )
+        if device is None:
+            device = t.device
+        elif t.device != device:
+            raise ValueError(f"{op}: {arg}[{i}] is on {t.device} but {arg}[0] is on {device}")
+    return device
+
+
+def check_scalar_tensor(
+    op: str, arg: str, t: torch.Tensor, device: torch.device | None, dtype: torch.dtype
+) -> None:
+    """``t`` must be a one-element tensor of ``dtype`` on ``device`` (if known)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {arg} must be a Tensor, got {type(t).__name__}")
+    if t.numel() != 1:
+        raise ValueError(f"{op}: {arg} must have one element, has {t.numel()}")
+    if t.dtype != dtype:
+        raise TypeError(f"{op}: {arg} must be {dtype}, got {t.dtype}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{op}: {arg} is on {t.device} but the tensors are on {device}")
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """True when ``t`` covers exactly ``numel`` consecutive elements in some dimension order
+    (contiguous, channels_last, a transpose...), so a kernel may walk its memory linearly."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True

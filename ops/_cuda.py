@@ -1,0 +1,189 @@
+"""The one CUDA launch layer: CuPy RawModule and stream caches, pointer arguments.
+
+Everything here is lazy: importing this module imports neither cupy nor numba and does not
+initialise CUDA. Kernels are CUDA C++ files in ``ops/kernels/`` compiled at run time by NVRTC
+through CuPy (no build step at install) and launched on torch's current stream, so they order
+correctly with torch's own kernels and are captured by CUDA graphs like them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import re
+import threading
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+KERNEL_DIR = Path(__file__).parent / "kernels"
+
+# -std=c++17 for `if constexpr`; --use_fast_math is NOT used: it flushes denormals and changes
+# sqrt/division rounding, which the conformance tolerances would notice on fp32.
+DEFAULT_OPTIONS: tuple[str, ...] = ("-std=c++17",)
+
+_lock = threading.Lock()
+_modules: dict[tuple[str, tuple[str, ...], int], Any] = {}
+_functions: dict[tuple[str, str, tuple[str, ...], int], Any] = {}
+_streams: dict[tuple[int, int], Any] = {}
+
+
+def kernels_disabled() -> bool:
+    """``AIAK_DISABLE_KERNELS=1`` makes every op run its PyTorch reference (for debugging)."""
+    value = os.environ.get("AIAK_DISABLE_KERNELS", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"AIAK_DISABLE_KERNELS must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+@cache
+def cupy_unavailable_reason() -> str | None:
+    """Why CuPy cannot launch kernels here, or None when it can. Imports cupy on first call."""
+    if importlib.util.find_spec("cupy") is None:
+        return "cupy is not installed (pip install 'aiak[cuda12]' or 'aiak[cuda13]')"
+    try:
+        import cupy  # noqa: F401
+    except Exception as exc:  # a broken install (wrong CUDA major) fails here
+        return f"cupy failed to import: {type(exc).__name__}: {exc}"
+    return None
+
+
+def cupy():  # noqa: ANN201 - returns the cupy module
+    """The cupy module (imported on first use)."""
+    reason = cupy_unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(reason)
+    import cupy as cp
+
+    return cp
+
+
+_LOCAL_INCLUDE = re.compile(r'^\s*#include\s+"([\w.]+)"\s*$', re.MULTILINE)
+
+
+@cache
+def kernel_source(filename: str) -> str:
+    """The text of ``ops/kernels/<filename>`` with its local ``#include "x.cuh"`` inlined.
+
+    Inlining (instead of ``-I``) makes CuPy's compile cache, keyed by the source text, see a
+    change in a shared header.
+    """
+    path = KERNEL_DIR / filename
+    if not path.is_file():
+        raise FileNotFoundError(f"no kernel source {path}")
+    seen: set[str] = set()
+
+    def inline(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name in seen:  # every header is `#pragma once`
+            return ""
+        seen.add(name)
+        text = (KERNEL_DIR / name).read_text().replace("#pragma once\n", "")
+        return _LOCAL_INCLUDE.sub(inline, text)
+
+    return _LOCAL_INCLUDE.sub(inline, path.read_text())
+
+
+def get_function(filename: str, name: str, options: tuple[str, ...] = DEFAULT_OPTIONS) -> Any:
+    """The compiled kernel ``name`` of ``ops/kernels/<filename>`` for the current torch device.
+
+    Modules are cached by (source, options, device); compilation happens once per process and
+    device (CuPy also keeps a disk cache, so later processes skip NVRTC).
+    """
+    device = torch.cuda.current_device()
+    key = (filename, name, options, device)
+    fn = _functions.get(key)
+    if fn is not None:
+        return fn
+    cp = cupy()
+    with _lock:
+        mkey = (filename, options, device)
+        module = _modules.get(mkey)
+        if module is None:
+            with cp.cuda.Device(device):
+                module = cp.RawModule(code=kernel_source(filename), options=options)
+            _modules[mkey] = module
+        with cp.cuda.Device(device):
+            fn = module.get_function(name)
+        _functions[key] = fn
+    return fn
+
+
+def current_stream() -> Any:
+    """A ``cupy.cuda.ExternalStream`` for torch's current stream, cached per (device, stream).
+
+    Building an ExternalStream costs ~18 µs; cached, a launch costs ~6 µs like a torch op
+    (ARCHITECTURE.md, measured on H100).
+    """
+    ts = torch.cuda.current_stream()
+    key = (ts.device_index, ts.cuda_stream)
+    stream = _streams.get(key)
+    if stream is None:
+        stream = cupy().cuda.ExternalStream(ts.cuda_stream, ts.device_index)
+        _streams[key] = stream
+    return stream
+
+
+def launch(fn: Any, grid: int | tuple[int, ...], block: int | tuple[int, ...], args: tuple,
+           shared_mem: int = 0) -> None:
+    """Launch ``fn`` on torch's current stream. ``args``: use :func:`ptr` for tensors."""
+    grid = grid if isinstance(grid, tuple) else (grid,)
+    block = block if isinstance(block, tuple) else (block,)
+    fn(grid, block, args, shared_mem=shared_mem, stream=current_stream())
+
+
+def ptr(t: torch.Tensor | None) -> Any:
+    """A kernel pointer argument for ``t`` (null for None)."""
+    import numpy as np  # imported here: `import aiak.ops` stays free of numpy
+
+    return np.uint64(0 if t is None else t.data_ptr())
+
+
+def i32(value: int) -> Any:
+    """A 32-bit int kernel argument."""
+    import numpy as np
+
+    if not -(2**31) <= value < 2**31:
+        raise ValueError(f"kernel argument {value} does not fit in 32 bits")
+    return np.int32(value)
+
+
+@cache
+def device_properties(device: int) -> Any:
+    return torch.cuda.get_device_properties(device)
+
+
+def num_sms(device: int) -> int:
+    return device_properties(device).multi_processor_count
+
+
+# --------------------------------------------------------------------------------------------
+# numba-cuda
+# --------------------------------------------------------------------------------------------
+
+
+def import_numba_cuda() -> Any:
+    """Import ``numba.cuda`` with the one shim it needs on numpy >= 2.5.
+
+    numba-cuda 0.30.4 calls ``np.row_stack``, removed in numpy 2.5; ``vstack`` is the same
+    function. This is the only place the shim lives.
+    """
+    import numpy as np
+
+    if not hasattr(np, "row_stack"):
+        np.row_stack = np.vstack
+    return importlib.import_module("numba.cuda")
+
+
+def numba_unavailable_reason() -> str | None:
+    """Why numba-cuda is not usable, or None. Looks the package up without importing it."""
+    if importlib.util.find_spec("numba") is None:
+        return "numba is not installed (pip install 'aiak[cuda12]' or 'aiak[cuda13]')"
+    if importlib.util.find_spec("numba_cuda") is None and importlib.util.find_spec(
+        "numba.cuda"
+    ) is None:
+        return "numba-cuda is not installed"
+    return None

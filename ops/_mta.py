@@ -1,0 +1,106 @@
+"""Multi-tensor apply for CuPy kernels: device tables built once per tensor set, cached.
+
+apex and torch pack up to ~110 tensor addresses into each launch's 4 KB argument buffer and
+launch again for the rest. Here the addresses, sizes and chunk map of the whole set live in one
+small int64 device tensor instead (layout at the top of ``kernels/multi_tensor.cu``), so any
+number of tensors takes one launch with ``grid = number of chunks``. Parameter and gradient
+addresses are stable from step to step, so the table is built once (one H2D copy) and found
+again by the set's (pointers, sizes, dtypes).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+from collections.abc import Sequence
+
+import torch
+
+CHUNK = 65536  # elements per block; must equal CHUNK in kernels/multi_tensor.cu
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+CACHE_SIZE = 256  # tables kept per process (each a few KB)
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+    """A device table for ``depth`` aligned tensor lists of ``num_tensors`` tensors each."""
+
+    data: torch.Tensor  # int64, on the device
+    depth: int
+    num_tensors: int
+    num_chunks: int
+    ready: torch.cuda.Event  # recorded after the upload, on `stream`
+    stream: int
+
+    def wait(self) -> None:
+        """Order the current stream after the table's upload (only needed across streams)."""
+        current = torch.cuda.current_stream(self.data.device)
+        if current.cuda_stream != self.stream:
+            current.wait_event(self.ready)
+
+
+_cache: collections.OrderedDict[tuple, Table] = collections.OrderedDict()
+_lock = threading.Lock()
+
+
+def table(lists: Sequence[Sequence[torch.Tensor]], device: torch.device) -> Table:
+    """The device table for ``lists`` (aligned lists of dense tensors on ``device``).
+
+    Tensors of list 0 set the sizes; the caller has checked that every list has the same
+    length, the same numel per position, supported dtypes and dense layouts.
+    """
+    numels = tuple(map(torch.Tensor.numel, lists[0]))
+    ptrs = tuple(tuple(map(torch.Tensor.data_ptr, ts)) for ts in lists)
+    codes = tuple(tuple(DTYPE_CODES[t.dtype] for t in ts) for ts in lists)
+    key = (device.index, numels, ptrs, codes)
+    with _lock:
+        found = _cache.get(key)
+        if found is not None:
+            _cache.move_to_end(key)
+    if found is not None:
+        found.wait()
+        return found
+    built = _build(numels, ptrs, codes, device)
+    with _lock:
+        _cache[key] = built
+        if len(_cache) > CACHE_SIZE:
+            _cache.popitem(last=False)
+    return built
+
+
+def _build(numels: tuple[int, ...], ptrs: tuple, codes: tuple, device: torch.device) -> Table:
+    depth, n = len(ptrs), len(numels)
+    counts = [(m + CHUNK - 1) // CHUNK for m in numels]
+    first = [0]
+    for c in counts:
+        first.append(first[-1] + c)
+    chunks = [(t << 32) | k for t, c in enumerate(counts) for k in range(c)]
+    words: list[int] = []
+    for p in ptrs:
+        # Addresses above 2**63 do not occur on CUDA; int64 holds them unchanged.
+        words.extend(p)
+    for c in codes:
+        words.extend(c)
+    words.extend(numels)
+    words.extend(first)
+    words.extend(chunks)
+    host = torch.tensor(words, dtype=torch.int64)
+    # A blocking copy from pageable memory: done once per tensor set. (Not allowed while a CUDA
+    # graph is being captured: run one step before capturing, as torch requires anyway.)
+    data = host.to(device)
+    stream = torch.cuda.current_stream(device)
+    ready = torch.cuda.Event()
+    ready.record(stream)
+    return Table(data, depth, n, first[-1], ready, stream.cuda_stream)
+
+
+def clear_cache() -> None:
+    """Forget every cached table (tests; or after freeing many parameter sets)."""
+    with _lock:
+        _cache.clear()
+
+
+def cache_info() -> dict[str, int]:
+    with _lock:
+        return {"tables": len(_cache), "max": CACHE_SIZE}

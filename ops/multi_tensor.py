@@ -1,0 +1,255 @@
+"""Multi-tensor ops: ``aiak::multi_tensor_l2norm`` and ``aiak::multi_tensor_scale_``.
+
+Read top-down: input checks, the PyTorch reference (the default kernel, ground truth of the
+conformance suite, used on CPU and whenever the CUDA kernel cannot run), the CUDA launchers
+(one launch, or two for the norm, over a whole tensor list via ``ops/_mta.py``), then the public
+ops and their fake and autograd registrations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from aiak.ops import _cuda, _mta
+from aiak.ops._capability import (
+    FLOAT_DTYPES,
+    Capability,
+    check_scalar_tensor,
+    check_tensor_list,
+    declare,
+    is_dense,
+    use_kernel,
+)
+
+__all__ = ["multi_tensor_l2norm", "multi_tensor_scale_"]
+
+L2NORM = declare(Capability("multi_tensor_l2norm"))
+SCALE = declare(Capability("multi_tensor_scale_"))
+_SOURCE = "multi_tensor.cu"
+_BLOCK = 512  # threads per chunk block; __launch_bounds__(512) in the source
+
+
+# --------------------------------------------------------------------------------------------
+# Checks
+# --------------------------------------------------------------------------------------------
+
+
+def _check_scale_args(
+    src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], scale: torch.Tensor,
+    found_inf: torch.Tensor,
+) -> torch.device | None:
+    op = "multi_tensor_scale_"
+    device = check_tensor_list(op, "src", src, FLOAT_DTYPES)
+    dst_device = check_tensor_list(op, "dst", dst, FLOAT_DTYPES)
+    if len(src) != len(dst):
+        raise ValueError(f"{op}: src has {len(src)} tensors but dst has {len(dst)}")
+    if src and dst_device != device:
+        raise ValueError(f"{op}: dst is on {dst_device} but src is on {device}")
+    check_scalar_tensor(op, "scale", scale, device, torch.float32)
+    check_scalar_tensor(op, "found_inf", found_inf, device, torch.float32)
+    for i, (s, d) in enumerate(zip(src, dst)):
+        if s.shape != d.shape:
+            raise ValueError(
+                f"{op}: dst[{i}] has shape {tuple(d.shape)} but src[{i}] has {tuple(s.shape)}"
+            )
+        if s.is_contiguous() and d.is_contiguous():
+            continue
+        # Elementwise over memory is only defined when both walk their elements in the same
+        # order: same strides and dense (no gaps, no overlap).
+        if s.numel() > 1 and not (is_dense(s) and is_dense(d) and s.stride() == d.stride()):
+            raise ValueError(
+                f"{op}: src[{i}] (strides {s.stride()}) and dst[{i}] (strides {d.stride()}) must "
+                "be dense with the same memory layout; call .contiguous() on them first"
+            )
+    return device
+
+
+# --------------------------------------------------------------------------------------------
+# Reference (default kernel)
+# --------------------------------------------------------------------------------------------
+
+
+def _norms_reference(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One fp32 L2 norm per tensor, stacked."""
+    return torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors])
+
+
+def _l2norm_reference(
+    tensors: Sequence[torch.Tensor], per_tensor: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    device = check_tensor_list("multi_tensor_l2norm", "tensors", tensors, FLOAT_DTYPES)
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32), torch.zeros(0, dtype=torch.float32)
+    norms = _norms_reference(tensors)
+    total = torch.linalg.vector_norm(norms)
+    per = norms if per_tensor else torch.zeros(0, dtype=torch.float32, device=device)
+    return total, per
+
+
+def _scale_reference(
+    src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], scale: torch.Tensor,
+    found_inf: torch.Tensor,
+) -> None:
+    _check_scale_args(src, dst, scale, found_inf)
+    if not src:
+        return
+    s = scale.reshape(())
+    bad = []
+    for a, b in zip(src, dst):
+        x = a.float()
+        bad.append(torch.isfinite(x).logical_not().any())
+        b.copy_(x * s)  # fp32 product rounded once to dst's dtype, as the kernel does
+    any_bad = torch.stack(bad).any()
+    # torch.where keeps it on device: no host synchronisation.
+    found_inf.copy_(torch.where(any_bad, torch.ones_like(found_inf), found_inf))
+
+
+# --------------------------------------------------------------------------------------------
+# CUDA launchers
+# --------------------------------------------------------------------------------------------
+
+
+def _l2norm_cuda(
+    tensors: Sequence[torch.Tensor], per_tensor: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    device = check_tensor_list("multi_tensor_l2norm", "tensors", tensors, FLOAT_DTYPES)
+    dtypes = {t.dtype for t in tensors}
+    if not use_kernel(L2NORM, device, dtypes):
+        return _l2norm_reference(tensors, per_tensor)
+    # A strided view (every other row, say) has a defined norm: walk a dense copy of it.
+    ts = [t if is_dense(t) else t.contiguous() for t in tensors]
+    n = len(ts)
+    with torch.cuda.device(device):
+        tab = _mta.table([ts], device)
+        total = torch.empty((), dtype=torch.float32, device=device)
+        per = torch.empty(n if per_tensor else 0, dtype=torch.float32, device=device)
+        partials = torch.empty(max(tab.num_chunks, 1), dtype=torch.float32, device=device)
+        if tab.num_chunks:
+            fn = _cuda.get_function(_SOURCE, "mt_l2norm_partial")
+            _cuda.launch(fn, tab.num_chunks, _BLOCK,
+                         (_cuda.ptr(tab.data), _cuda.i32(n), _cuda.ptr(partials)))
+        fn = _cuda.get_function(_SOURCE, "mt_l2norm_finalize")
+        _cuda.launch(fn, 1, 1024, (_cuda.ptr(tab.data), _cuda.i32(n), _cuda.ptr(partials),
+                                   _cuda.ptr(per if per_tensor else None), _cuda.ptr(total)))
+    return total, per
+
+
+def _scale_cuda(
+    src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], scale: torch.Tensor,
+    found_inf: torch.Tensor,
+) -> None:
+    device = _check_scale_args(src, dst, scale, found_inf)
+    if not src:
+        return
+    dtypes = {t.dtype for t in src} | {t.dtype for t in dst}
+    if not use_kernel(SCALE, device, dtypes):
+        _scale_reference(src, dst, scale, found_inf)
+        return
+    with torch.cuda.device(device):
+        tab = _mta.table([src, dst], device)
+        if tab.num_chunks:
+            fn = _cuda.get_function(_SOURCE, "mt_scale")
+            _cuda.launch(fn, tab.num_chunks, _BLOCK, (_cuda.ptr(tab.data), _cuda.i32(len(src)),
+                                                      _cuda.ptr(scale), _cuda.ptr(found_inf)))
+
+
+# --------------------------------------------------------------------------------------------
+# The ops
+# --------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("aiak::multi_tensor_l2norm", mutates_args=())
+def _l2norm_op(tensors: list[torch.Tensor], per_tensor: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _l2norm_reference(tensors, per_tensor)
+
+
+_l2norm_op.register_kernel("cuda")(_l2norm_cuda)
+
+
+@_l2norm_op.register_fake
+def _(tensors: list[torch.Tensor], per_tensor: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    device = check_tensor_list("multi_tensor_l2norm", "tensors", tensors, FLOAT_DTYPES)
+    device = device if device is not None else torch.device("cpu")
+    total = torch.empty((), dtype=torch.float32, device=device)
+    per = torch.empty(len(tensors) if per_tensor else 0, dtype=torch.float32, device=device)
+    return total, per
+
+
+def _l2norm_setup(ctx, inputs, output) -> None:  # noqa: ANN001 - torch.library's signature
+    tensors, per_tensor = inputs
+    total, per = output
+    ctx.per_tensor = per_tensor
+    ctx.save_for_backward(total, per, *tensors)
+
+
+def _l2norm_backward(ctx, grad_total, grad_per):  # noqa: ANN001, ANN202
+    # d||x||/dx = x / ||x|| (0 where the norm is 0), for the global norm and each per-tensor one.
+    total, per, *tensors = ctx.saved_tensors
+    grads = []
+    safe_total = torch.where(total > 0, total, torch.ones_like(total))
+    for i, t in enumerate(tensors):
+        coef = torch.where(total > 0, grad_total / safe_total, torch.zeros_like(total))
+        if ctx.per_tensor and grad_per is not None:
+            n = per[i]
+            coef = coef + torch.where(n > 0, grad_per[i] / torch.where(n > 0, n, 1.0), 0.0)
+        grads.append((t.float() * coef).to(t.dtype))
+    return grads, None
+
+
+_l2norm_op.register_autograd(_l2norm_backward, setup_context=_l2norm_setup)
+
+
+@torch.library.custom_op("aiak::multi_tensor_scale_", mutates_args=("dst", "found_inf"))
+def _scale_op(
+    src: list[torch.Tensor], dst: list[torch.Tensor], scale: torch.Tensor, found_inf: torch.Tensor
+) -> None:
+    _scale_reference(src, dst, scale, found_inf)
+
+
+_scale_op.register_kernel("cuda")(_scale_cuda)
+
+
+@_scale_op.register_fake
+def _(
+    src: list[torch.Tensor], dst: list[torch.Tensor], scale: torch.Tensor, found_inf: torch.Tensor
+) -> None:
+    _check_scale_args(src, dst, scale, found_inf)
+
+
+# --------------------------------------------------------------------------------------------
+# Python conveniences over torch.ops.aiak.*
+# --------------------------------------------------------------------------------------------
+
+
+def multi_tensor_l2norm(
+    tensors: Sequence[torch.Tensor], per_tensor: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The L2 norm of all ``tensors`` together (fp32, 0-dim) and, if ``per_tensor``, one per
+    tensor (fp32, ``[len(tensors)]``; otherwise an empty tensor). Never synchronises the host.
+
+    Accepts fp32/fp16/bf16 tensors, mixed, of any sizes (empty ones count 0) on one device.
+    """
+    return torch.ops.aiak.multi_tensor_l2norm(list(tensors), per_tensor)
+
+
+def multi_tensor_scale_(
+    src: Sequence[torch.Tensor],
+    dst: Sequence[torch.Tensor],
+    scale: float | torch.Tensor,
+    found_inf: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``dst[i] = src[i] * scale`` (dtype converted), flagging non-finite ``src`` values.
+
+    ``found_inf`` (a one-element fp32 tensor, created as 0 when None) is set to 1 if any src
+    element is inf or NaN and is returned; it is never cleared. ``dst`` may be ``src`` itself.
+    """
+    src, dst = list(src), list(dst)
+    device = src[0].device if src else torch.device("cpu")
+    if not isinstance(scale, torch.Tensor):
+        scale = torch.full((), float(scale), dtype=torch.float32, device=device)
+    if found_inf is None:
+        found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+    torch.ops.aiak.multi_tensor_scale_(src, dst, scale, found_inf)
+    return found_inf
