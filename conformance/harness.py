@@ -134,7 +134,6 @@ class Result:
 _REGISTRY: dict[str, Case] = {}
 
 
-
 def register(case: Case) -> Case:
     """Add ``case`` to the registry; a second case with the same name is an error."""
     if not isinstance(case, Case):
@@ -153,9 +152,30 @@ def all_cases() -> list[Case]:
     from aiak.conformance import cases
 
     for info in pkgutil.iter_modules(cases.__path__):
-        if not info.name.startswith("_"):
-            importlib.import_module(f"{cases.__name__}.{info.name}")
+        if info.name.startswith("_"):
+            continue
+        module = f"{cases.__name__}.{info.name}"
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # a broken module is a failed case, not a dead suite
+            _REGISTRY.setdefault(f"import.{info.name}", _import_failure(module, exc))
     return [_REGISTRY[k] for k in sorted(_REGISTRY)]
+
+
+def _import_failure(module: str, exc: Exception) -> Case:
+    message = f"importing {module} failed: {type(exc).__name__}: {exc}"
+
+    def fail(_inputs: Any) -> Outputs:
+        raise RuntimeError(message)
+
+    return Case(
+        name=f"import.{module.rsplit('.', 1)[-1]}",
+        specs=lambda device: [Spec("import")],
+        make_inputs=lambda spec, device, gen: None,
+        candidate=fail,
+        reference=fail,
+        description=message,
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -209,7 +229,9 @@ def compare(
         err = rel_l2_error(out, ref)
         errors[key] = err
         if not err <= tol:  # also catches NaN
-            failures.append(f"{key}: rel L2 error {err:.3g} > {tol:.1g} ({_first_mismatch(out, ref)})")
+            failures.append(
+                f"{key}: rel L2 error {err:.3g} > {tol:.1g} ({_first_mismatch(out, ref)})"
+            )
     return not failures, errors, "; ".join(failures)
 
 

@@ -36,10 +36,14 @@ def backends() -> dict[str, Any]:
         "reason": None if cuda_ok else "torch.cuda.is_available() is False",
         "version": torch.version.cuda,
         "devices": [
-            {"name": torch.cuda.get_device_name(i),
-             "capability": ".".join(map(str, torch.cuda.get_device_capability(i)))}
+            {
+                "name": torch.cuda.get_device_name(i),
+                "capability": ".".join(map(str, torch.cuda.get_device_capability(i))),
+            }
             for i in range(torch.cuda.device_count())
-        ] if cuda_ok else [],
+        ]
+        if cuda_ok
+        else [],
     }
     reason = _cuda.cupy_unavailable_reason()
     info["cupy"] = {"available": reason is None, "reason": reason, "version": None}

@@ -39,7 +39,9 @@ class Capability:
             return [f"{self.name}: the kernel runs on cuda, not {device.type}"]
         for dt in sorted(set(dtypes) - set(self.dtypes), key=str):
             allowed = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
-            reasons.append(f"{self.name}: dtype {str(dt).removeprefix('torch.')} not in ({allowed})")
+            reasons.append(
+                f"{self.name}: dtype {str(dt).removeprefix('torch.')} not in ({allowed})"
+            )
         if _cuda.kernels_disabled():
             reasons.append(f"{self.name}: AIAK_DISABLE_KERNELS=1")
             return reasons

@@ -51,7 +51,7 @@ def cupy_unavailable_reason() -> str | None:
     return None
 
 
-def cupy():  # noqa: ANN201 - returns the cupy module
+def cupy():
     """The cupy module (imported on first use)."""
     reason = cupy_unavailable_reason()
     if reason is not None:
@@ -127,8 +127,13 @@ def current_stream() -> Any:
     return stream
 
 
-def launch(fn: Any, grid: int | tuple[int, ...], block: int | tuple[int, ...], args: tuple,
-           shared_mem: int = 0) -> None:
+def launch(
+    fn: Any,
+    grid: int | tuple[int, ...],
+    block: int | tuple[int, ...],
+    args: tuple,
+    shared_mem: int = 0,
+) -> None:
     """Launch ``fn`` on torch's current stream. ``args``: use :func:`ptr` for tensors."""
     grid = grid if isinstance(grid, tuple) else (grid,)
     block = block if isinstance(block, tuple) else (block,)
@@ -182,8 +187,9 @@ def numba_unavailable_reason() -> str | None:
     """Why numba-cuda is not usable, or None. Looks the package up without importing it."""
     if importlib.util.find_spec("numba") is None:
         return "numba is not installed (pip install 'aiak[cuda12]' or 'aiak[cuda13]')"
-    if importlib.util.find_spec("numba_cuda") is None and importlib.util.find_spec(
-        "numba.cuda"
-    ) is None:
+    if (
+        importlib.util.find_spec("numba_cuda") is None
+        and importlib.util.find_spec("numba.cuda") is None
+    ):
         return "numba-cuda is not installed"
     return None

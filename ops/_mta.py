@@ -34,9 +34,14 @@ class Table:
     stream: int
 
     def wait(self) -> None:
-        """Order the current stream after the table's upload (only needed across streams)."""
+        """Order the current stream after the table's upload (only needed across streams).
+
+        Skipped while capturing a CUDA graph: waiting there on an event recorded outside the
+        capture is illegal, and ``torch.cuda.graph`` synchronises the device before capturing,
+        so a table built during warm-up is complete by then.
+        """
         current = torch.cuda.current_stream(self.data.device)
-        if current.cuda_stream != self.stream:
+        if current.cuda_stream != self.stream and not torch.cuda.is_current_stream_capturing():
             current.wait_event(self.ready)
 
 
@@ -61,6 +66,11 @@ def table(lists: Sequence[Sequence[torch.Tensor]], device: torch.device) -> Tabl
     if found is not None:
         found.wait()
         return found
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "aiak multi-tensor op: this tensor set was first seen during CUDA graph capture, "
+            "where its address table cannot be uploaded; run the op once before capturing"
+        )
     built = _build(numels, ptrs, codes, device)
     with _lock:
         _cache[key] = built

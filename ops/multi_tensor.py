@@ -37,7 +37,9 @@ _BLOCK = 512  # threads per chunk block; __launch_bounds__(512) in the source
 
 
 def _check_scale_args(
-    src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], scale: torch.Tensor,
+    src: Sequence[torch.Tensor],
+    dst: Sequence[torch.Tensor],
+    scale: torch.Tensor,
     found_inf: torch.Tensor,
 ) -> torch.device | None:
     op = "multi_tensor_scale_"
@@ -89,7 +91,9 @@ def _l2norm_reference(
 
 
 def _scale_reference(
-    src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], scale: torch.Tensor,
+    src: Sequence[torch.Tensor],
+    dst: Sequence[torch.Tensor],
+    scale: torch.Tensor,
     found_inf: torch.Tensor,
 ) -> None:
     _check_scale_args(src, dst, scale, found_inf)
@@ -128,16 +132,29 @@ def _l2norm_cuda(
         partials = torch.empty(max(tab.num_chunks, 1), dtype=torch.float32, device=device)
         if tab.num_chunks:
             fn = _cuda.get_function(_SOURCE, "mt_l2norm_partial")
-            _cuda.launch(fn, tab.num_chunks, _BLOCK,
-                         (_cuda.ptr(tab.data), _cuda.i32(n), _cuda.ptr(partials)))
+            _cuda.launch(
+                fn, tab.num_chunks, _BLOCK, (_cuda.ptr(tab.data), _cuda.i32(n), _cuda.ptr(partials))
+            )
         fn = _cuda.get_function(_SOURCE, "mt_l2norm_finalize")
-        _cuda.launch(fn, 1, 1024, (_cuda.ptr(tab.data), _cuda.i32(n), _cuda.ptr(partials),
-                                   _cuda.ptr(per if per_tensor else None), _cuda.ptr(total)))
+        _cuda.launch(
+            fn,
+            1,
+            1024,
+            (
+                _cuda.ptr(tab.data),
+                _cuda.i32(n),
+                _cuda.ptr(partials),
+                _cuda.ptr(per if per_tensor else None),
+                _cuda.ptr(total),
+            ),
+        )
     return total, per
 
 
 def _scale_cuda(
-    src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], scale: torch.Tensor,
+    src: Sequence[torch.Tensor],
+    dst: Sequence[torch.Tensor],
+    scale: torch.Tensor,
     found_inf: torch.Tensor,
 ) -> None:
     device = _check_scale_args(src, dst, scale, found_inf)
@@ -151,8 +168,12 @@ def _scale_cuda(
         tab = _mta.table([src, dst], device)
         if tab.num_chunks:
             fn = _cuda.get_function(_SOURCE, "mt_scale")
-            _cuda.launch(fn, tab.num_chunks, _BLOCK, (_cuda.ptr(tab.data), _cuda.i32(len(src)),
-                                                      _cuda.ptr(scale), _cuda.ptr(found_inf)))
+            _cuda.launch(
+                fn,
+                tab.num_chunks,
+                _BLOCK,
+                (_cuda.ptr(tab.data), _cuda.i32(len(src)), _cuda.ptr(scale), _cuda.ptr(found_inf)),
+            )
 
 
 # --------------------------------------------------------------------------------------------
@@ -177,14 +198,14 @@ def _(tensors: list[torch.Tensor], per_tensor: bool) -> tuple[torch.Tensor, torc
     return total, per
 
 
-def _l2norm_setup(ctx, inputs, output) -> None:  # noqa: ANN001 - torch.library's signature
+def _l2norm_setup(ctx, inputs, output) -> None:
     tensors, per_tensor = inputs
     total, per = output
     ctx.per_tensor = per_tensor
     ctx.save_for_backward(total, per, *tensors)
 
 
-def _l2norm_backward(ctx, grad_total, grad_per):  # noqa: ANN001, ANN202
+def _l2norm_backward(ctx, grad_total, grad_per):
     # d||x||/dx = x / ||x|| (0 where the norm is 0), for the global norm and each per-tensor one.
     total, per, *tensors = ctx.saved_tensors
     grads = []

@@ -1,0 +1,3 @@
+from aiak.conformance.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,355 @@
+"""aiak::multi_tensor_l2norm and aiak::multi_tensor_scale_: reference, errors, opcheck, CUDA."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import aiak.ops
+from aiak.ops import _mta
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _f64_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([t.double().square().sum() for t in tensors])
+
+
+def _assert_rel(out: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
+    out, ref = out.double().cpu(), ref.double().cpu()
+    err = (out - ref).norm() / ref.norm().clamp_min(1e-300)
+    assert err <= tol, f"rel L2 error {err:.3e} > {tol:.0e}\nout {out[:8]}\nref {ref[:8]}"
+
+
+sizes_st = st.lists(st.integers(0, 70_000), min_size=1, max_size=12)
+
+
+# --------------------------------------------------------------------------------------------
+# Reference path (CPU)
+# --------------------------------------------------------------------------------------------
+
+
+@given(sizes=sizes_st, dtype=st.sampled_from(DTYPES))
+def test_l2norm_matches_float64(sizes: list[int], dtype: torch.dtype) -> None:
+    tensors = [torch.randn(n).to(dtype) for n in sizes]
+    total, per = aiak.ops.multi_tensor_l2norm(tensors, per_tensor=True)
+    sq = _f64_norms(tensors)
+    assert total.dtype == per.dtype == torch.float32
+    assert total.shape == () and per.shape == (len(sizes),)
+    # The reference accumulates in fp32 (torch.linalg.vector_norm): the fp32 reduction bound.
+    _assert_rel(per, sq.sqrt(), 1e-5)
+    _assert_rel(total.reshape(1), sq.sum().sqrt().reshape(1), 1e-5)
+
+
+def test_l2norm_without_per_tensor_and_empty_list() -> None:
+    total, per = aiak.ops.multi_tensor_l2norm([torch.ones(4), torch.ones(5)])
+    assert per.shape == (0,)
+    assert total.item() == pytest.approx(3.0)
+    total, per = aiak.ops.multi_tensor_l2norm([], per_tensor=True)
+    assert total.item() == 0.0 and per.shape == (0,)
+
+
+def test_l2norm_propagates_inf_and_nan() -> None:
+    t = torch.ones(10)
+    t[3] = float("inf")
+    total, per = aiak.ops.multi_tensor_l2norm([torch.ones(3), t], per_tensor=True)
+    assert math.isinf(total.item()) and math.isinf(per[1].item()) and per[0].item() > 0
+    t[4] = float("nan")
+    total, _ = aiak.ops.multi_tensor_l2norm([t])
+    assert math.isnan(total.item())
+
+
+def test_l2norm_of_strided_views_is_their_norm() -> None:
+    base = torch.randn(10, 6)
+    views = [base[:, ::2], base.t(), base[1:, 1:]]
+    _, per = aiak.ops.multi_tensor_l2norm(views, per_tensor=True)
+    _assert_rel(per, torch.stack([v.double().norm() for v in views]), 1e-6)
+
+
+def test_l2norm_autograd_matches_torch() -> None:
+    a = torch.randn(7, dtype=torch.float64).float().requires_grad_()
+    b = torch.randn(3, 2).requires_grad_()
+    total, per = torch.ops.aiak.multi_tensor_l2norm([a, b], True)
+    (2 * total + 3 * per[1]).backward()
+    a2, b2 = a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+    ref = 2 * torch.cat([a2, b2.flatten()]).norm() + 3 * b2.norm()
+    ref.backward()
+    torch.testing.assert_close(a.grad, a2.grad)
+    torch.testing.assert_close(b.grad, b2.grad)
+
+
+@given(
+    sizes=sizes_st,
+    src=st.sampled_from(DTYPES),
+    dst=st.sampled_from(DTYPES),
+    scale=st.floats(1e-3, 1e3),
+)
+def test_scale_matches_torch_bit_for_bit(
+    sizes: list[int], src: torch.dtype, dst: torch.dtype, scale: float
+) -> None:
+    xs = [torch.randn(n).to(src) for n in sizes]
+    out = [torch.full((n,), float("nan"), dtype=dst) for n in sizes]
+    found = aiak.ops.multi_tensor_scale_(xs, out, scale)
+    s = torch.tensor(scale, dtype=torch.float32)
+    for x, o in zip(xs, out):
+        assert torch.equal(o, (x.float() * s).to(dst))
+    assert found.item() == 0.0
+
+
+def test_scale_in_place_and_found_inf_is_sticky() -> None:
+    xs = [torch.randn(100), torch.randn(33)]
+    want = [x * 4 for x in xs]
+    found = aiak.ops.multi_tensor_scale_(xs, xs, 4.0)
+    assert found.item() == 0.0
+    for x, w in zip(xs, want):
+        assert torch.equal(x, w)
+    xs[1][5] = float("nan")
+    aiak.ops.multi_tensor_scale_(xs, xs, 1.0, found)
+    assert found.item() == 1.0
+    aiak.ops.multi_tensor_scale_([torch.ones(3)], [torch.ones(3)], 1.0, found)
+    assert found.item() == 1.0  # never cleared by the op
+
+
+def test_scale_keeps_layout_of_channels_last() -> None:
+    x = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    y = torch.empty_like(x)  # same strides
+    aiak.ops.multi_tensor_scale_([x], [y], 2.0)
+    assert torch.equal(y, x * 2)
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input: the same errors on every path
+# --------------------------------------------------------------------------------------------
+
+
+def _scale(src, dst, scale=None, found=None):
+    scale = torch.ones((), dtype=torch.float32) if scale is None else scale
+    found = torch.zeros(1) if found is None else found
+    torch.ops.aiak.multi_tensor_scale_(src, dst, scale, found)
+
+
+@pytest.mark.parametrize(
+    ("call", "exc", "match"),
+    [
+        (
+            lambda: aiak.ops.multi_tensor_l2norm([torch.ones(3, dtype=torch.int64)]),
+            TypeError,
+            r"tensors\[0\] has dtype int64",
+        ),
+        (
+            lambda: aiak.ops.multi_tensor_l2norm([torch.ones(3), torch.ones(2, device="meta")]),
+            ValueError,
+            r"tensors\[1\] is on meta",
+        ),
+        (lambda: aiak.ops.multi_tensor_l2norm([torch.ones(2).to_sparse()]), TypeError, "layout"),
+        (lambda: _scale([torch.ones(3)], []), ValueError, "src has 1 tensors but dst has 0"),
+        (lambda: _scale([torch.ones(3)], [torch.ones(4)]), ValueError, r"dst\[0\] has shape"),
+        (lambda: _scale([torch.ones(3, 4)], [torch.ones(4, 3).t()]), ValueError, "memory layout"),
+        (lambda: _scale([torch.ones(6)[::2]], [torch.ones(3)]), ValueError, "dense"),
+        (
+            lambda: _scale([torch.ones(3)], [torch.ones(3, dtype=torch.int32)]),
+            TypeError,
+            r"dst\[0\] has dtype int32",
+        ),
+        (
+            lambda: _scale([torch.ones(3)], [torch.ones(3)], scale=torch.ones(2)),
+            ValueError,
+            "scale must have one element",
+        ),
+        (
+            lambda: _scale([torch.ones(3)], [torch.ones(3)], scale=torch.ones(1).double()),
+            TypeError,
+            "scale must be torch.float32",
+        ),
+        (
+            lambda: _scale([torch.ones(3)], [torch.ones(3)], found=torch.zeros(1).half()),
+            TypeError,
+            "found_inf must be torch.float32",
+        ),
+        (
+            lambda: _scale([torch.ones(3)], [torch.ones(3, device="meta")]),
+            ValueError,
+            "dst is on meta",
+        ),
+    ],
+)
+def test_bad_input_names_the_argument(call, exc, match) -> None:
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_opcheck_cpu() -> None:
+    ts = [torch.randn(5), torch.randn(3, 4).half(), torch.randn(0)]
+    torch.library.opcheck(torch.ops.aiak.multi_tensor_l2norm.default, (ts, True))
+    torch.library.opcheck(torch.ops.aiak.multi_tensor_l2norm.default, (ts, False))
+    dst = [torch.empty(5), torch.empty(3, 4), torch.empty(0).half()]
+    torch.library.opcheck(
+        torch.ops.aiak.multi_tensor_scale_.default,
+        (ts, dst, torch.tensor(3.0), torch.zeros(1)),
+    )
+
+
+def test_compiles_with_torch_compile() -> None:
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def f(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        total, per = torch.ops.aiak.multi_tensor_l2norm([a, b], True)
+        return total + per.sum()
+
+    a, b = torch.randn(10), torch.randn(4, 4)
+    torch.testing.assert_close(
+        f(a, b), a.norm().new_tensor(0) + torch.cat([a, b.flatten()]).norm() + a.norm() + b.norm()
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# CUDA kernels (run on the GPU machine)
+# --------------------------------------------------------------------------------------------
+
+
+def _cuda_set(sizes: list[int], dtype: torch.dtype, unaligned: bool = False) -> list[torch.Tensor]:
+    out = []
+    for n in sizes:
+        off = 3 if unaligned else 0
+        out.append(torch.randn(n + off, device="cuda").to(dtype)[off:])
+    return out
+
+
+EDGE_SIZES = [0, 1, 7, 8, 65535, 65536, 65537, 131075, 1_000_003]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("unaligned", [False, True])
+def test_cuda_l2norm_matches_float64(dtype: torch.dtype, unaligned: bool) -> None:
+    ts = _cuda_set(EDGE_SIZES, dtype, unaligned)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the kernel must run, not fall back
+        total, per = aiak.ops.multi_tensor_l2norm(ts, per_tensor=True)
+    sq = _f64_norms(ts)
+    assert per.is_cuda and total.is_cuda
+    _assert_rel(per, sq.sqrt(), 1e-6)
+    _assert_rel(total.reshape(1), sq.sum().sqrt().reshape(1), 1e-6)
+
+
+@pytest.mark.cuda
+def test_cuda_l2norm_mixed_dtypes_thousands_and_determinism() -> None:
+    ts = [
+        torch.randn(int(n), device="cuda").to(DTYPES[i % 3])
+        for i, n in enumerate(torch.randint(0, 3000, (3000,)))
+    ]
+    a = aiak.ops.multi_tensor_l2norm(ts, per_tensor=True)
+    b = aiak.ops.multi_tensor_l2norm(ts, per_tensor=True)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])  # no atomics: bitwise repeatable
+    _assert_rel(a[1], _f64_norms(ts).sqrt(), 1e-6)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("src", DTYPES)
+@pytest.mark.parametrize("dst", DTYPES)
+def test_cuda_scale_bit_exact_with_reference(src: torch.dtype, dst: torch.dtype) -> None:
+    for unaligned in (False, True):
+        xs = _cuda_set(EDGE_SIZES, src, unaligned)
+        xs[2][1] = float("inf")
+        out = [torch.full_like(x, float("nan"), dtype=dst) for x in xs]
+        s = torch.tensor(0.37, device="cuda")
+        found = torch.zeros(1, device="cuda")
+        torch.ops.aiak.multi_tensor_scale_(xs, out, s, found)
+        for x, o in zip(xs, out):
+            assert torch.equal(o, (x.float() * s).to(dst))
+        assert found.item() == 1.0
+
+
+@pytest.mark.cuda
+def test_cuda_scale_in_place_on_side_stream_and_no_host_sync() -> None:
+    xs = _cuda_set([100, 70_000, 5], torch.float32)
+    want = [x * 3 for x in xs]
+    s, found = torch.tensor(3.0, device="cuda"), torch.zeros(1, device="cuda")
+    aiak.ops.multi_tensor_scale_(xs, xs, 1.0)  # warm: compile and build the table
+    xs_copy = [x.clone() for x in xs]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.stream(side):
+            torch.ops.aiak.multi_tensor_scale_(xs_copy, xs_copy, s, found)
+            torch.ops.aiak.multi_tensor_l2norm(xs_copy, True)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.current_stream().wait_stream(side)
+    for x, w in zip(xs_copy, want):
+        torch.testing.assert_close(x, w, rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+def test_cuda_graph_capture_after_warmup() -> None:
+    xs = _cuda_set([1000, 65537], torch.float16)
+    dst = [torch.empty_like(x, dtype=torch.float32) for x in xs]
+    s, found = torch.tensor(2.0, device="cuda"), torch.zeros(1, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up builds the tables outside the capture
+        torch.ops.aiak.multi_tensor_scale_(xs, dst, s, found)
+        torch.ops.aiak.multi_tensor_l2norm(dst, True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.ops.aiak.multi_tensor_scale_(xs, dst, s, found)
+        total, _ = torch.ops.aiak.multi_tensor_l2norm(dst, True)
+    for x in xs:
+        x.normal_()
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = torch.cat([x.double().flatten() * 2 for x in xs]).norm()
+    _assert_rel(total.reshape(1), ref.reshape(1), 1e-6)
+
+
+@pytest.mark.cuda
+def test_cuda_table_is_cached_per_tensor_set() -> None:
+    _mta.clear_cache()
+    xs = _cuda_set([10, 20, 30], torch.float32)
+    aiak.ops.multi_tensor_l2norm(xs)
+    aiak.ops.multi_tensor_l2norm(xs)
+    assert _mta.cache_info()["tables"] == 1
+    aiak.ops.multi_tensor_l2norm(xs[:2])
+    assert _mta.cache_info()["tables"] == 2
+
+
+@pytest.mark.cuda
+def test_cuda_opcheck() -> None:
+    ts = [torch.randn(5, device="cuda"), torch.randn(3, 4, device="cuda").half()]
+    torch.library.opcheck(torch.ops.aiak.multi_tensor_l2norm.default, (ts, True))
+    dst = [torch.empty(5, device="cuda").half(), torch.empty(3, 4, device="cuda")]
+    torch.library.opcheck(
+        torch.ops.aiak.multi_tensor_scale_.default,
+        (ts, dst, torch.tensor(3.0, device="cuda"), torch.zeros(1, device="cuda")),
+    )
+
+
+@pytest.mark.cuda
+def test_cuda_disabled_kernels_fall_back_with_one_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AIAK_DISABLE_KERNELS", "1")
+    xs = _cuda_set([100], torch.float32)
+    with pytest.warns(RuntimeWarning, match="AIAK_DISABLE_KERNELS=1"):
+        total, _ = aiak.ops.multi_tensor_l2norm(xs)
+    _assert_rel(total.reshape(1), xs[0].double().norm().reshape(1), 1e-6)
+    assert "reference" in aiak.ops.backends()["ops"]["multi_tensor_l2norm"]
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+def test_cuda_past_two_to_the_31_elements() -> None:
+    n = 2**31 + 5
+    free, _ = torch.cuda.mem_get_info()
+    if free < 3 * n * 2:
+        pytest.skip(f"needs {3 * n * 2 / 2**30:.1f} GiB of free GPU memory, has {free / 2**30:.1f}")
+    x = torch.ones(n, dtype=torch.float16, device="cuda")
+    x[-1] = 3.0  # the last element lies past 2^31: a 32-bit offset would miss it
+    total, _ = aiak.ops.multi_tensor_l2norm([x])
+    assert total.item() == pytest.approx(math.sqrt(n - 1 + 9), rel=1e-6)
+    found = aiak.ops.multi_tensor_scale_([x], [x], 2.0)
+    assert x[-1].item() == 6.0 and x[-2].item() == 2.0 and found.item() == 0.0
