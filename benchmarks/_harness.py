@@ -3,9 +3,11 @@
 Baseline and candidate run in one process on the same inputs; the ratio is the figure. Each
 row is appended to ``benchmarks/results/<name>.csv`` with the GPU name, versions and the date.
 
-Two timings per function:
-- ``eager``: CUDA events around each call (p20/p50/p80 over many calls). Includes host time
-  when the host is slower than the GPU (many small tensors): what a lone call costs.
+Three timings per function:
+- ``eager``: CUDA events around each lone call (p20/p50/p80 over many calls), the GPU idle
+  before it: host time and GPU time add up. What a single isolated call costs.
+- ``pipelined``: many calls back to back between two events: max(host, GPU) per call, as in a
+  training loop where the host runs ahead of the GPU.
 - ``graph``: the same call captured ``GRAPH_CALLS`` times in a CUDA graph and replayed: the
   GPU time alone, as inside a training step where host work overlaps earlier GPU work.
 """
@@ -48,6 +50,24 @@ def time_eager(fn: Callable[[], Any], warmup: int = 5, reps: int = 50) -> tuple[
     return quantiles([s.elapsed_time(e) for s, e in pairs])
 
 
+def time_pipelined(fn: Callable[[], Any], calls: int = 20, reps: int = 10) -> tuple[float, ...]:
+    """(p20, p50, p80) milliseconds per call of ``fn`` called ``calls`` times back to back
+    between two events: max(host, GPU) per call, as in a training loop."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / calls)
+    return quantiles(samples)
+
+
 def time_graph(fn: Callable[[], Any], reps: int = 20) -> tuple[float, ...] | None:
     """(p20, p50, p80) milliseconds per call of ``fn`` replayed from a CUDA graph, or None when
     ``fn`` cannot be captured."""
@@ -62,7 +82,7 @@ def time_graph(fn: Callable[[], Any], reps: int = 20) -> tuple[float, ...] | Non
         with torch.cuda.graph(graph):
             for _ in range(GRAPH_CALLS):
                 fn()
-    except Exception:  # noqa: BLE001 - not capturable: report eager only
+    except Exception:
         return None
     graph.replay()
     torch.cuda.synchronize()

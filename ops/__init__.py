@@ -60,3 +60,7 @@ def backends() -> dict[str, Any]:
         ops[name] = cap.backend if not reasons else "reference: " + "; ".join(reasons)
     info["ops"] = ops
     return info
+
+
+# Registers aiak::fused_adam_ / fused_sgd_ / fused_lamb_ (aiak.optim calls them when present).
+from aiak.ops import fused_optim  # noqa: E402, F401

@@ -8,11 +8,13 @@ correctly with torch's own kernels and are captured by CUDA graphs like them.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
 import re
 import threading
+import warnings
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -122,7 +124,12 @@ def current_stream() -> Any:
     key = (ts.device_index, ts.cuda_stream)
     stream = _streams.get(key)
     if stream is None:
-        stream = cupy().cuda.ExternalStream(ts.cuda_stream, ts.device_index)
+        with warnings.catch_warnings():
+            # CuPy 14 deprecates ExternalStream in favour of Stream.from_external(obj) for
+            # objects with __cuda_stream__, which torch 2.4 streams lack; the pointer form works
+            # on every CuPy we support.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            stream = cupy().cuda.ExternalStream(ts.cuda_stream, ts.device_index)
         _streams[key] = stream
     return stream
 
@@ -159,6 +166,20 @@ def i32(value: int) -> Any:
 @cache
 def device_properties(device: int) -> Any:
     return torch.cuda.get_device_properties(device)
+
+
+@cache
+def device_capability(device: int) -> tuple[int, int]:
+    """(major, minor), cached: torch.cuda.get_device_capability re-reads the properties."""
+    return torch.cuda.get_device_capability(device)
+
+
+def on_device(device: torch.device) -> Any:
+    """``torch.cuda.device(device)``, or a no-op when it is already current (the usual case:
+    switching costs two cudaSetDevice calls per op)."""
+    if device.index is None or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
 
 
 def num_sms(device: int) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import operator
 import threading
 from collections.abc import Sequence
 
@@ -45,6 +46,7 @@ class Table:
             current.wait_event(self.ready)
 
 
+_dtype = operator.attrgetter("dtype")
 _cache: collections.OrderedDict[tuple, Table] = collections.OrderedDict()
 _lock = threading.Lock()
 
@@ -55,10 +57,12 @@ def table(lists: Sequence[Sequence[torch.Tensor]], device: torch.device) -> Tabl
     Tensors of list 0 set the sizes; the caller has checked that every list has the same
     length, the same numel per position, supported dtypes and dense layouts.
     """
+    # The key is what makes a table valid: addresses, sizes and dtypes (map over unbound
+    # methods: the cheapest per-tensor calls from Python, this runs on every op call).
     numels = tuple(map(torch.Tensor.numel, lists[0]))
     ptrs = tuple(tuple(map(torch.Tensor.data_ptr, ts)) for ts in lists)
-    codes = tuple(tuple(DTYPE_CODES[t.dtype] for t in ts) for ts in lists)
-    key = (device.index, numels, ptrs, codes)
+    dtypes = tuple(tuple(map(_dtype, ts)) for ts in lists)
+    key = (device.index, numels, ptrs, dtypes)
     with _lock:
         found = _cache.get(key)
         if found is not None:
@@ -71,6 +75,7 @@ def table(lists: Sequence[Sequence[torch.Tensor]], device: torch.device) -> Tabl
             "aiak multi-tensor op: this tensor set was first seen during CUDA graph capture, "
             "where its address table cannot be uploaded; run the op once before capturing"
         )
+    codes = tuple(tuple(DTYPE_CODES[d] for d in ds) for ds in dtypes)
     built = _build(numels, ptrs, codes, device)
     with _lock:
         _cache[key] = built
@@ -95,10 +100,10 @@ def _build(numels: tuple[int, ...], ptrs: tuple, codes: tuple, device: torch.dev
     words.extend(numels)
     words.extend(first)
     words.extend(chunks)
-    host = torch.tensor(words, dtype=torch.int64)
-    # A blocking copy from pageable memory: done once per tensor set. (Not allowed while a CUDA
-    # graph is being captured: run one step before capturing, as torch requires anyway.)
-    data = host.to(device)
+    # Pinned memory and a non-blocking copy: a new tensor set costs no host synchronisation
+    # (torch's pinned allocator keeps the host buffer until the copy has run).
+    host = torch.tensor(words, dtype=torch.int64).pin_memory()
+    data = host.to(device, non_blocking=True)
     stream = torch.cuda.current_stream(device)
     ready = torch.cuda.Event()
     ready.record(stream)

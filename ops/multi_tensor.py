@@ -8,6 +8,7 @@ ops and their fake and autograd registrations.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -28,6 +29,8 @@ __all__ = ["multi_tensor_l2norm", "multi_tensor_scale_"]
 L2NORM = declare(Capability("multi_tensor_l2norm"))
 SCALE = declare(Capability("multi_tensor_scale_"))
 _SOURCE = "multi_tensor.cu"
+_dtype = operator.attrgetter("dtype")
+_shape = operator.attrgetter("shape")
 _BLOCK = 512  # threads per chunk block; __launch_bounds__(512) in the source
 
 
@@ -51,6 +54,13 @@ def _check_scale_args(
         raise ValueError(f"{op}: dst is on {dst_device} but src is on {device}")
     check_scalar_tensor(op, "scale", scale, device, torch.float32)
     check_scalar_tensor(op, "found_inf", found_inf, device, torch.float32)
+    # Fast path, in C-level passes: same shapes, everything contiguous.
+    if (
+        list(map(_shape, src)) == list(map(_shape, dst))
+        and all(map(torch.Tensor.is_contiguous, src))
+        and all(map(torch.Tensor.is_contiguous, dst))
+    ):
+        return device
     for i, (s, d) in enumerate(zip(src, dst)):
         if s.shape != d.shape:
             raise ValueError(
@@ -119,13 +129,14 @@ def _l2norm_cuda(
     tensors: Sequence[torch.Tensor], per_tensor: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     device = check_tensor_list("multi_tensor_l2norm", "tensors", tensors, FLOAT_DTYPES)
-    dtypes = {t.dtype for t in tensors}
-    if not use_kernel(L2NORM, device, dtypes):
+    if not use_kernel(L2NORM, device, set(map(_dtype, tensors))):
         return _l2norm_reference(tensors, per_tensor)
     # A strided view (every other row, say) has a defined norm: walk a dense copy of it.
-    ts = [t if is_dense(t) else t.contiguous() for t in tensors]
+    ts = tensors
+    if not all(map(torch.Tensor.is_contiguous, tensors)):
+        ts = [t if is_dense(t) else t.contiguous() for t in tensors]
     n = len(ts)
-    with torch.cuda.device(device):
+    with _cuda.on_device(device):
         tab = _mta.table([ts], device)
         total = torch.empty((), dtype=torch.float32, device=device)
         per = torch.empty(n if per_tensor else 0, dtype=torch.float32, device=device)
@@ -160,11 +171,10 @@ def _scale_cuda(
     device = _check_scale_args(src, dst, scale, found_inf)
     if not src:
         return
-    dtypes = {t.dtype for t in src} | {t.dtype for t in dst}
-    if not use_kernel(SCALE, device, dtypes):
+    if not use_kernel(SCALE, device, set(map(_dtype, src)) | set(map(_dtype, dst))):
         _scale_reference(src, dst, scale, found_inf)
         return
-    with torch.cuda.device(device):
+    with _cuda.on_device(device):
         tab = _mta.table([src, dst], device)
         if tab.num_chunks:
             fn = _cuda.get_function(_SOURCE, "mt_scale")

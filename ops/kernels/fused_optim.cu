@@ -15,6 +15,9 @@
 #include "mta_common.cuh"
 
 #define BLOCK 512
+// Two resident blocks per SM (<= 64 registers): 1024 threads x 4 loads of 16 B in flight per SM,
+// past the ~15 KB per SM that covers the memory latency on H100 (3.35 TB/s x ~600 ns / 132 SMs).
+#define MIN_BLOCKS 2
 #define VEC 4  // elements per vector access: 16 bytes of fp32, 8 bytes of fp16/bf16
 
 #define F_ADAMW 1
@@ -132,7 +135,7 @@ __device__ void adam_chunk(const i64* table, int T_, int D, const ChunkRef& r,
   }
 }
 
-extern "C" __global__ void __launch_bounds__(BLOCK)
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS)
 fused_adam(const i64* __restrict__ table, int T, int D, const float* __restrict__ lr_ptr,
            float lr, float beta1, float beta2, float eps, float wd, int flags,
            const float* __restrict__ grad_scale, const float* __restrict__ found_inf) {
@@ -234,7 +237,7 @@ __device__ void sgd_chunk(const i64* table, int T_, int D, const ChunkRef& r, co
   }
 }
 
-extern "C" __global__ void __launch_bounds__(BLOCK)
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS)
 fused_sgd(const i64* __restrict__ table, int T, int D, const float* __restrict__ lr_ptr, float lr,
           float momentum, float dampening, float wd, int flags, const float* __restrict__ scales,
           const float* __restrict__ grad_scale, const float* __restrict__ found_inf) {
@@ -259,7 +262,8 @@ fused_sgd(const i64* __restrict__ table, int T, int D, const float* __restrict__
 // ---------------------------------------------------------------------------------------------
 // LAMB in two passes after the global grad norm (ops/multi_tensor.cu):
 //   stage 1: clip, moments, update u (written to an fp32 workspace), per-chunk sums of p^2, u^2;
-//   stage 2: per-tensor norms from those partials, trust ratio, p -= ratio * u, step += 1.
+//   stage 2: per-tensor norms from those partials, trust ratio, p -= ratio * u; extra blocks
+//            past the chunks do step += 1.
 // Bytes per param (fp32): norm 4 + stage 1 (read p g m v, write m v u) 28 + stage 2 (read p u,
 // write p) 12 = 44.
 // Lists: 0 p, 1 g, 2 exp_avg, 3 exp_avg_sq, 4 update (fp32), 5 step, 6 copy_to.
@@ -338,7 +342,7 @@ __device__ __forceinline__ float block_sum(float x, float* smem) {
   return x;
 }
 
-extern "C" __global__ void __launch_bounds__(BLOCK)
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS)
 fused_lamb_stage1(const i64* __restrict__ table, int T, int D, float* __restrict__ partials,
                   float beta1, float beta2, float eps, float wd, float max_grad_norm, int flags,
                   const float* __restrict__ grad_norm, const float* __restrict__ grad_scale,
@@ -407,13 +411,19 @@ __device__ void lamb2_chunk(const i64* table, int T_, int D, const ChunkRef& r, 
   }
 }
 
-extern "C" __global__ void __launch_bounds__(BLOCK)
-fused_lamb_stage2(const i64* __restrict__ table, int T, int D, const float* __restrict__ partials,
-                  const float* __restrict__ lr_ptr, float lr, float wd, int flags,
-                  const float* __restrict__ found_inf) {
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS)
+fused_lamb_stage2(const i64* __restrict__ table, int T, int D, int C,
+                  const float* __restrict__ partials, const float* __restrict__ lr_ptr, float lr,
+                  float wd, int flags, const float* __restrict__ found_inf) {
   __shared__ double dsum[2][BLOCK / WARP];
   if (skipped(found_inf)) return;
-  const int C = gridDim.x;
+  if ((int)blockIdx.x >= C) {
+    // The blocks past the chunks advance the steps (empty tensors included): stage 1 read them
+    // in the previous launch, so no block of this one reads them.
+    const int t = ((int)blockIdx.x - C) * blockDim.x + threadIdx.x;
+    if (t < T) *list_ptr<float>(table, T, 5, t) += 1.f;
+    return;
+  }
   const ChunkRef r = chunk_ref(table, D, T, blockIdx.x);
   // Per-tensor norms: every block of tensor t sums t's chunk partials in the same fixed order
   // (fp64), so all its blocks agree on the ratio. A 31M-element tensor has 477 chunks: its
@@ -446,6 +456,4 @@ fused_lamb_stage2(const i64* __restrict__ table, int T, int D, const float* __re
   if (code == 0) lamb2_chunk<float>(table, T, D, r, ratio);
   else if (code == 1) lamb2_chunk<half_t>(table, T, D, r, ratio);
   else lamb2_chunk<bf16_t>(table, T, D, r, ratio);
-  // Stage 1 read the step in the previous launch, so this launch may advance it.
-  if (r.begin == 0 && threadIdx.x == 0) *list_ptr<float>(table, T, 5, r.tensor) += 1.f;
 }

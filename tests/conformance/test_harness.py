@@ -170,7 +170,7 @@ def test_a_broken_case_module_is_a_failed_case_not_a_crash(monkeypatch: pytest.M
 
     real = importlib.import_module
 
-    def flaky(name: str, *args, **kw):  # noqa: ANN002, ANN003, ANN202
+    def flaky(name: str, *args, **kw):
         if name == "aiak.conformance.cases.ops_multi_tensor":
             raise SyntaxError("half-written")
         return real(name, *args, **kw)

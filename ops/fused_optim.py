@@ -1,0 +1,616 @@
+"""Fused optimizer steps: ``aiak::fused_adam_``, ``aiak::fused_sgd_``, ``aiak::fused_lamb_``.
+
+Each op updates a whole list of parameters (mixed fp32/fp16/bf16, one device) in place: one
+CUDA launch for the update (plus one tiny launch that advances Adam's step counters), two for
+LAMB after the global grad norm. State tensors have the parameter's dtype and layout, as in
+torch's fused optimizers; arithmetic is fp32.
+
+Shared conventions:
+
+- ``state_steps``: one-element float32 tensors on the device; the op advances them by one.
+- ``grad_scale`` / ``found_inf`` (GradScaler): grads are divided by ``grad_scale`` (and written
+  back unscaled, as torch's fused optimizers do); when ``found_inf != 0`` nothing at all is
+  written, step counters included. Both are read on the device: no host synchronisation.
+- ``lr_tensor`` (capturable): when given, the learning rate is read from it on the device.
+- ``copy_to`` (amp copy-back): empty, or one tensor per parameter that receives the updated
+  parameter converted to its own dtype in the same pass; an empty tensor at position i means
+  "no copy for parameter i".
+
+Read top-down: checks, the PyTorch references (default kernels), the CUDA launchers, the ops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from aiak.ops import _cuda, _mta
+from aiak.ops._capability import (
+    FLOAT_DTYPES,
+    Capability,
+    check_scalar_tensor,
+    check_tensor_list,
+    declare,
+    is_dense,
+    use_kernel,
+)
+
+__all__: list[str] = []
+
+ADAM = declare(Capability("fused_adam_"))
+SGD = declare(Capability("fused_sgd_"))
+LAMB = declare(Capability("fused_lamb_"))
+_SOURCE = "fused_optim.cu"
+_BLOCK = 512  # threads per chunk block; BLOCK in the source
+
+# Flag bits, as in kernels/fused_optim.cu.
+_ADAMW, _AMSGRAD, _MAXIMIZE, _BIAS_CORRECTION = 1, 2, 4, 8
+_NESTEROV, _FIRST_STEP, _GRAD_AVERAGING, _NVLAMB = 16, 32, 64, 128
+
+Tensors = Sequence[torch.Tensor]
+
+
+# --------------------------------------------------------------------------------------------
+# Arguments: one NamedTuple per op, in the op's schema order
+# --------------------------------------------------------------------------------------------
+
+
+class AdamArgs(NamedTuple):
+    params: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    exp_avgs: list[torch.Tensor]
+    exp_avg_sqs: list[torch.Tensor]
+    max_exp_avg_sqs: list[torch.Tensor]  # empty unless amsgrad
+    state_steps: list[torch.Tensor]
+    copy_to: list[torch.Tensor]
+    lr: float
+    lr_tensor: torch.Tensor | None
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    adam_w_mode: bool
+    amsgrad: bool
+    maximize: bool
+    bias_correction: bool
+    grad_scale: torch.Tensor | None
+    found_inf: torch.Tensor | None
+
+
+class SgdArgs(NamedTuple):
+    params: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    momentum_buffers: list[torch.Tensor]  # empty when momentum == 0
+    copy_to: list[torch.Tensor]
+    lr: float
+    lr_tensor: torch.Tensor | None
+    momentum: float
+    dampening: float
+    weight_decay: float
+    nesterov: bool
+    maximize: bool
+    is_first_step: bool  # momentum_buffer = d (torch SGD's first step) instead of the average
+    scales: torch.Tensor | None  # [n] fp32 factors on the decayed grad (LARS trust ratios)
+    grad_scale: torch.Tensor | None
+    found_inf: torch.Tensor | None
+
+
+class LambArgs(NamedTuple):
+    params: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    exp_avgs: list[torch.Tensor]
+    exp_avg_sqs: list[torch.Tensor]
+    updates: list[torch.Tensor]  # fp32 workspace, one per param, same layout
+    state_steps: list[torch.Tensor]
+    copy_to: list[torch.Tensor]
+    grad_norm: torch.Tensor  # global L2 norm of the (still scaled) grads, fp32, one element
+    lr: float
+    lr_tensor: torch.Tensor | None
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    bias_correction: bool
+    grad_averaging: bool
+    adam_w_mode: bool
+    use_nvlamb: bool
+    max_grad_norm: float  # <= 0: no clipping
+    grad_scale: torch.Tensor | None
+    found_inf: torch.Tensor | None
+
+
+# --------------------------------------------------------------------------------------------
+# Checks, shared by the reference and the kernel so both reject the same inputs
+# --------------------------------------------------------------------------------------------
+
+
+def _check_hyper(op: str, **values: float) -> None:
+    for name, value in values.items():
+        if name.startswith("beta"):
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"{op}: {name} must be in [0, 1), got {value}")
+        elif not value >= 0.0:  # also rejects NaN
+            raise ValueError(f"{op}: {name} must be >= 0, got {value}")
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape, and the same memory order: strides agree wherever a dimension has size > 1."""
+    if a.shape != b.shape:
+        return False
+    return all(sa == sb for sa, sb, n in zip(a.stride(), b.stride(), a.shape) if n > 1)
+
+
+def _check_lists(
+    op: str,
+    params: Tensors,
+    same: dict[str, Tensors],
+    copy_to: Tensors,
+    state_steps: Tensors | None,
+    scalars: dict[str, torch.Tensor | None],
+) -> torch.device | None:
+    """``same``: lists aligned with ``params`` (same shape, strides and dtype per position)."""
+    device = check_tensor_list(op, "params", params, FLOAT_DTYPES)
+    n = len(params)
+    for name, ts in same.items():
+        d = check_tensor_list(op, name, ts, FLOAT_DTYPES)
+        if len(ts) != n:
+            raise ValueError(f"{op}: {name} has {len(ts)} tensors but params has {n}")
+        if n and d != device:
+            raise ValueError(f"{op}: {name} is on {d} but params are on {device}")
+        for i, (p, t) in enumerate(zip(params, ts)):
+            if not _same_layout(p, t):
+                raise ValueError(
+                    f"{op}: {name}[{i}] (shape {tuple(t.shape)}, strides {t.stride()}) must match "
+                    f"params[{i}] (shape {tuple(p.shape)}, strides {p.stride()})"
+                )
+            want = torch.float32 if name == "updates" else p.dtype
+            if t.dtype != want:
+                raise TypeError(f"{op}: {name}[{i}] is {t.dtype}, must be {want}")
+    d = check_tensor_list(op, "copy_to", copy_to, FLOAT_DTYPES)
+    if copy_to:
+        if len(copy_to) != n:
+            raise ValueError(f"{op}: copy_to has {len(copy_to)} tensors but params has {n}")
+        if d != device:
+            raise ValueError(f"{op}: copy_to is on {d} but params are on {device}")
+        for i, (p, t) in enumerate(zip(params, copy_to)):
+            if t.numel() and not _same_layout(p, t):
+                raise ValueError(
+                    f"{op}: copy_to[{i}] must be empty or match params[{i}] in shape and strides"
+                )
+    if state_steps is not None:
+        if len(state_steps) != n:
+            raise ValueError(f"{op}: state_steps has {len(state_steps)} tensors but params has {n}")
+        for i, s in enumerate(state_steps):
+            check_scalar_tensor(op, f"state_steps[{i}]", s, device, torch.float32)
+    for name, t in scalars.items():
+        if t is not None:
+            check_scalar_tensor(op, name, t, device, torch.float32)
+    return device
+
+
+def _check_adam(a: AdamArgs) -> torch.device | None:
+    op = "fused_adam_"
+    _check_hyper(op, lr=a.lr, beta1=a.beta1, beta2=a.beta2, eps=a.eps, weight_decay=a.weight_decay)
+    same = {"grads": a.grads, "exp_avgs": a.exp_avgs, "exp_avg_sqs": a.exp_avg_sqs}
+    if a.amsgrad:
+        same["max_exp_avg_sqs"] = a.max_exp_avg_sqs
+    scalars = {"lr_tensor": a.lr_tensor, "grad_scale": a.grad_scale, "found_inf": a.found_inf}
+    return _check_lists(op, a.params, same, a.copy_to, a.state_steps, scalars)
+
+
+def _check_sgd(a: SgdArgs) -> torch.device | None:
+    op = "fused_sgd_"
+    _check_hyper(
+        op, lr=a.lr, momentum=a.momentum, dampening=a.dampening, weight_decay=a.weight_decay
+    )
+    same = {"grads": a.grads}
+    if a.momentum != 0:
+        same["momentum_buffers"] = a.momentum_buffers
+    elif a.momentum_buffers:
+        raise ValueError(f"{op}: momentum_buffers must be empty when momentum is 0")
+    scalars = {"lr_tensor": a.lr_tensor, "grad_scale": a.grad_scale, "found_inf": a.found_inf}
+    device = _check_lists(op, a.params, same, a.copy_to, None, scalars)
+    if a.scales is not None:
+        if not isinstance(a.scales, torch.Tensor) or a.scales.dtype != torch.float32:
+            raise TypeError(f"{op}: scales must be a float32 tensor")
+        if a.scales.shape != (len(a.params),) or (a.params and a.scales.device != device):
+            raise ValueError(f"{op}: scales must have shape ({len(a.params)},) on {device}")
+    return device
+
+
+def _check_lamb(a: LambArgs) -> torch.device | None:
+    op = "fused_lamb_"
+    _check_hyper(op, lr=a.lr, beta1=a.beta1, beta2=a.beta2, eps=a.eps, weight_decay=a.weight_decay)
+    same = {
+        "grads": a.grads,
+        "exp_avgs": a.exp_avgs,
+        "exp_avg_sqs": a.exp_avg_sqs,
+        "updates": a.updates,
+    }
+    scalars = {
+        "grad_norm": a.grad_norm,
+        "lr_tensor": a.lr_tensor,
+        "grad_scale": a.grad_scale,
+        "found_inf": a.found_inf,
+    }
+    return _check_lists(op, a.params, same, a.copy_to, a.state_steps, scalars)
+
+
+# --------------------------------------------------------------------------------------------
+# References (default kernels): the kernels' math, one tensor at a time, in fp32
+# --------------------------------------------------------------------------------------------
+
+
+def _keep(found_inf: torch.Tensor | None) -> torch.Tensor | None:
+    """A bool scalar: True when the step is applied. Used with torch.where, never on the host."""
+    return None if found_inf is None else found_inf.reshape(()) == 0
+
+
+def _commit(dst: torch.Tensor, new: torch.Tensor, keep: torch.Tensor | None) -> None:
+    dst.copy_(new if keep is None else torch.where(keep, new, dst))
+
+
+def _commit_step(step: torch.Tensor, keep: torch.Tensor | None) -> None:
+    step.add_(1.0 if keep is None else keep.to(step.dtype))
+
+
+def _scale_of(grad_scale: torch.Tensor | None) -> torch.Tensor | float:
+    return 1.0 if grad_scale is None else grad_scale.reshape(()).float()
+
+
+def _lr_of(lr: float, lr_tensor: torch.Tensor | None) -> torch.Tensor | float:
+    return lr if lr_tensor is None else lr_tensor.reshape(()).float()
+
+
+def _bias_corrections(
+    step: torch.Tensor, beta1: float, beta2: float, enabled: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """1 - beta^t for the step this update makes (stored step + 1), in fp64 like the kernel."""
+    t = step.reshape(()).double() + 1
+    one = torch.ones((), dtype=torch.float64, device=step.device)
+    return (1 - beta1**t, 1 - beta2**t) if enabled else (one, one)
+
+
+def _adam_reference(a: AdamArgs) -> None:
+    _check_adam(a)
+    keep, scale, rate = _keep(a.found_inf), _scale_of(a.grad_scale), _lr_of(a.lr, a.lr_tensor)
+    wd = a.weight_decay
+    for i, p in enumerate(a.params):
+        bc1, bc2 = _bias_corrections(a.state_steps[i], a.beta1, a.beta2, a.bias_correction)
+        step_size = (rate / bc1).float()
+        bc2_sqrt = bc2.sqrt().float()
+        x = p.float()
+        g = a.grads[i].float() / scale
+        gg = -g if a.maximize else g
+        if wd != 0:
+            if a.adam_w_mode:
+                x = x - rate * wd * x
+            else:
+                gg = gg + wd * x
+        m = a.beta1 * a.exp_avgs[i].float() + (1 - a.beta1) * gg
+        v = a.beta2 * a.exp_avg_sqs[i].float() + (1 - a.beta2) * gg * gg
+        v_hat = v
+        if a.amsgrad:
+            v_hat = torch.maximum(a.max_exp_avg_sqs[i].float(), v)
+            _commit(a.max_exp_avg_sqs[i], v_hat, keep)
+        x = x - step_size * m / (v_hat.sqrt() / bc2_sqrt + a.eps)
+        _commit(p, x, keep)
+        if a.grad_scale is not None:
+            _commit(a.grads[i], g, keep)
+        _commit(a.exp_avgs[i], m, keep)
+        _commit(a.exp_avg_sqs[i], v, keep)
+        if a.copy_to and a.copy_to[i].numel():
+            _commit(a.copy_to[i], x, keep)
+        _commit_step(a.state_steps[i], keep)
+
+
+def _sgd_reference(a: SgdArgs) -> None:
+    _check_sgd(a)
+    keep, scale, rate = _keep(a.found_inf), _scale_of(a.grad_scale), _lr_of(a.lr, a.lr_tensor)
+    for i, p in enumerate(a.params):
+        x = p.float()
+        g = a.grads[i].float() / scale
+        d = -g if a.maximize else g
+        if a.weight_decay != 0:
+            d = d + a.weight_decay * x
+        if a.scales is not None:
+            d = d * a.scales[i]
+        if a.momentum != 0:
+            if a.is_first_step:
+                buf = d
+            else:
+                buf = a.momentum * a.momentum_buffers[i].float() + (1 - a.dampening) * d
+            _commit(a.momentum_buffers[i], buf, keep)
+            d = d + a.momentum * buf if a.nesterov else buf
+        x = x - rate * d
+        _commit(p, x, keep)
+        if a.grad_scale is not None:
+            _commit(a.grads[i], g, keep)
+        if a.copy_to and a.copy_to[i].numel():
+            _commit(a.copy_to[i], x, keep)
+
+
+def _lamb_reference(a: LambArgs) -> None:
+    _check_lamb(a)
+    keep, scale, rate = _keep(a.found_inf), _scale_of(a.grad_scale), _lr_of(a.lr, a.lr_tensor)
+    wd = a.weight_decay
+    norm = a.grad_norm.reshape(()).float() / scale
+    clip = torch.ones_like(norm)
+    if a.max_grad_norm > 0:
+        clip = torch.where(norm > a.max_grad_norm, norm / a.max_grad_norm, clip)
+    beta3 = 1 - a.beta1 if a.grad_averaging else 1.0
+    for i, p in enumerate(a.params):
+        bc1, bc2 = _bias_corrections(a.state_steps[i], a.beta1, a.beta2, a.bias_correction)
+        x = p.float()
+        g = a.grads[i].float() / scale / clip
+        if not a.adam_w_mode:
+            g = g + wd * x
+        m = a.beta1 * a.exp_avgs[i].float() + beta3 * g
+        v = a.beta2 * a.exp_avg_sqs[i].float() + (1 - a.beta2) * g * g
+        u = (m / bc1.float()) / ((v / bc2.float()).sqrt() + a.eps)
+        if a.adam_w_mode:
+            u = u + wd * x
+        pn, un = torch.linalg.vector_norm(x), torch.linalg.vector_norm(u)
+        ratio = torch.ones_like(pn) * rate
+        if a.use_nvlamb or wd != 0:
+            ratio = torch.where((pn > 0) & (un > 0), rate * (pn / un), ratio)
+        x = x - ratio * u
+        _commit(p, x, keep)
+        _commit(a.exp_avgs[i], m, keep)
+        _commit(a.exp_avg_sqs[i], v, keep)
+        _commit(a.updates[i], u, keep)
+        if a.copy_to and a.copy_to[i].numel():
+            _commit(a.copy_to[i], x, keep)
+        _commit_step(a.state_steps[i], keep)
+
+
+# --------------------------------------------------------------------------------------------
+# CUDA launchers
+# --------------------------------------------------------------------------------------------
+
+
+def _kargs(*values: object) -> tuple:
+    """Kernel arguments: a tensor (or None) -> its pointer, an int -> int32, a float -> float32."""
+    import numpy as np  # here: `import aiak.ops` stays free of numpy
+
+    out = []
+    for v in values:
+        if v is None or isinstance(v, torch.Tensor):
+            out.append(_cuda.ptr(v))
+        elif isinstance(v, int):
+            out.append(_cuda.i32(v))
+        else:
+            out.append(np.float32(v))
+    return tuple(out)
+
+
+def _kernel_ok(cap: Capability, device: torch.device, lists: Sequence[Tensors]) -> bool:
+    """The kernel walks each tensor's memory linearly: every tensor must be dense."""
+    dtypes = {t.dtype for ts in lists for t in ts}
+    if not use_kernel(cap, device, dtypes):
+        return False
+    return all(is_dense(t) for ts in lists for t in ts)
+
+
+_nulls: dict[tuple[torch.device, int], list[torch.Tensor]] = {}
+
+
+def _copy_list(copy_to: Tensors, n: int, device: torch.device) -> list[torch.Tensor]:
+    """``copy_to``, or n empty tensors (null pointers: "no copy") when it is empty."""
+    if copy_to:
+        return list(copy_to)
+    key = (device, n)
+    found = _nulls.get(key)
+    if found is None:
+        found = [torch.empty(0, device=device)] * n
+        _nulls[key] = found
+    return found
+
+
+def _flags(**bits: tuple[int, bool]) -> int:
+    return sum(bit for bit, on in bits.values() if on)
+
+
+def _adam_cuda(*args: object) -> None:
+    a = AdamArgs(*args)
+    device = _check_adam(a)
+    if not a.params:
+        return
+    optional = [a.max_exp_avg_sqs] if a.amsgrad else []
+    lists = [a.params, a.grads, a.exp_avgs, a.exp_avg_sqs, *optional]
+    if not _kernel_ok(ADAM, device, [*lists, a.copy_to]):
+        _adam_reference(a)
+        return
+    flags = _flags(
+        adamw=(_ADAMW, a.adam_w_mode),
+        amsgrad=(_AMSGRAD, a.amsgrad),
+        maximize=(_MAXIMIZE, a.maximize),
+        bias=(_BIAS_CORRECTION, a.bias_correction),
+    )
+    n = len(a.params)
+    with torch.cuda.device(device):
+        # List order as in the kernel: p, g, m, v, step, copy_to, [max_v].
+        table = [*lists[:4], a.state_steps, _copy_list(a.copy_to, n, device), *optional]
+        tab = _mta.table(table, device)
+        if tab.num_chunks:
+            fn = _cuda.get_function(_SOURCE, "fused_adam")
+            hyper = (a.lr, a.beta1, a.beta2, a.eps, a.weight_decay)
+            args = _kargs(tab.data, n, len(table), a.lr_tensor, *map(float, hyper), flags)
+            _cuda.launch(fn, tab.num_chunks, _BLOCK, args + _kargs(a.grad_scale, a.found_inf))
+        # The steps advance after the update has read them (stream order); list 4 holds them.
+        fn = _cuda.get_function(_SOURCE, "bump_steps")
+        _cuda.launch(fn, (n + 255) // 256, 256, _kargs(tab.data, n, 4, a.found_inf))
+
+
+def _sgd_cuda(*args: object) -> None:
+    a = SgdArgs(*args)
+    device = _check_sgd(a)
+    if not a.params:
+        return
+    if not _kernel_ok(SGD, device, [a.params, a.grads, a.momentum_buffers, a.copy_to]):
+        _sgd_reference(a)
+        return
+    flags = _flags(
+        nesterov=(_NESTEROV, a.nesterov),
+        maximize=(_MAXIMIZE, a.maximize),
+        first=(_FIRST_STEP, a.is_first_step),
+    )
+    n = len(a.params)
+    with torch.cuda.device(device):
+        # List order as in the kernel: p, g, copy_to, [momentum_buffer].
+        optional = [a.momentum_buffers] if a.momentum != 0 else []
+        table = [a.params, a.grads, _copy_list(a.copy_to, n, device), *optional]
+        tab = _mta.table(table, device)
+        if tab.num_chunks:
+            fn = _cuda.get_function(_SOURCE, "fused_sgd")
+            hyper = (a.lr, a.momentum, a.dampening, a.weight_decay)
+            args = _kargs(tab.data, n, len(table), a.lr_tensor, *map(float, hyper), flags)
+            _cuda.launch(
+                fn, tab.num_chunks, _BLOCK, args + _kargs(a.scales, a.grad_scale, a.found_inf)
+            )
+
+
+def _lamb_cuda(*args: object) -> None:
+    a = LambArgs(*args)
+    device = _check_lamb(a)
+    if not a.params:
+        return
+    lists = [a.params, a.grads, a.exp_avgs, a.exp_avg_sqs, a.updates]
+    if not _kernel_ok(LAMB, device, [*lists, a.copy_to]):
+        _lamb_reference(a)
+        return
+    flags = _flags(
+        adamw=(_ADAMW, a.adam_w_mode),
+        bias=(_BIAS_CORRECTION, a.bias_correction),
+        averaging=(_GRAD_AVERAGING, a.grad_averaging),
+        nvlamb=(_NVLAMB, a.use_nvlamb),
+    )
+    n = len(a.params)
+    with torch.cuda.device(device):
+        # List order as in the kernels: p, g, m, v, update, step, copy_to.
+        table = [*lists, a.state_steps, _copy_list(a.copy_to, n, device)]
+        tab = _mta.table(table, device)
+        c = tab.num_chunks
+        # Per-chunk sums of p^2 and u^2 from stage 1, reduced per tensor by stage 2.
+        partials = torch.empty(2 * max(c, 1), dtype=torch.float32, device=device)
+        if c:
+            fn = _cuda.get_function(_SOURCE, "fused_lamb_stage1")
+            hyper = (a.beta1, a.beta2, a.eps, a.weight_decay, a.max_grad_norm)
+            args = _kargs(tab.data, n, len(table), partials, *map(float, hyper), flags)
+            args += _kargs(a.grad_norm, a.grad_scale, a.found_inf)
+            _cuda.launch(fn, c, _BLOCK, args)
+        # Blocks past the c chunks advance the n step counters (ceil(n / BLOCK) of them).
+        fn = _cuda.get_function(_SOURCE, "fused_lamb_stage2")
+        args = _kargs(tab.data, n, len(table), c, partials, a.lr_tensor, float(a.lr))
+        args += _kargs(float(a.weight_decay), flags, a.found_inf)
+        _cuda.launch(fn, c + (n + _BLOCK - 1) // _BLOCK, _BLOCK, args)
+
+
+# --------------------------------------------------------------------------------------------
+# The ops. Their signatures are the NamedTuples above, field for field.
+# --------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op(
+    "aiak::fused_adam_",
+    mutates_args=(
+        "params",
+        "grads",
+        "exp_avgs",
+        "exp_avg_sqs",
+        "max_exp_avg_sqs",
+        "state_steps",
+        "copy_to",
+    ),
+)
+def _adam_op(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    max_exp_avg_sqs: list[torch.Tensor],
+    state_steps: list[torch.Tensor],
+    copy_to: list[torch.Tensor],
+    lr: float,
+    lr_tensor: torch.Tensor | None,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adam_w_mode: bool,
+    amsgrad: bool,
+    maximize: bool,
+    bias_correction: bool,
+    grad_scale: torch.Tensor | None,
+    found_inf: torch.Tensor | None,
+) -> None:
+    _adam_reference(AdamArgs(*_locals_in_order(locals(), AdamArgs)))
+
+
+@torch.library.custom_op(
+    "aiak::fused_sgd_", mutates_args=("params", "grads", "momentum_buffers", "copy_to")
+)
+def _sgd_op(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    momentum_buffers: list[torch.Tensor],
+    copy_to: list[torch.Tensor],
+    lr: float,
+    lr_tensor: torch.Tensor | None,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    maximize: bool,
+    is_first_step: bool,
+    scales: torch.Tensor | None,
+    grad_scale: torch.Tensor | None,
+    found_inf: torch.Tensor | None,
+) -> None:
+    _sgd_reference(SgdArgs(*_locals_in_order(locals(), SgdArgs)))
+
+
+@torch.library.custom_op(
+    "aiak::fused_lamb_",
+    mutates_args=("params", "exp_avgs", "exp_avg_sqs", "updates", "state_steps", "copy_to"),
+)
+def _lamb_op(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    updates: list[torch.Tensor],
+    state_steps: list[torch.Tensor],
+    copy_to: list[torch.Tensor],
+    grad_norm: torch.Tensor,
+    lr: float,
+    lr_tensor: torch.Tensor | None,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    bias_correction: bool,
+    grad_averaging: bool,
+    adam_w_mode: bool,
+    use_nvlamb: bool,
+    max_grad_norm: float,
+    grad_scale: torch.Tensor | None,
+    found_inf: torch.Tensor | None,
+) -> None:
+    _lamb_reference(LambArgs(*_locals_in_order(locals(), LambArgs)))
+
+
+def _locals_in_order(values: dict[str, object], fields: type) -> list[object]:
+    return [values[name] for name in fields._fields]
+
+
+for _op, _args, _check, _cuda_impl in (
+    (_adam_op, AdamArgs, _check_adam, _adam_cuda),
+    (_sgd_op, SgdArgs, _check_sgd, _sgd_cuda),
+    (_lamb_op, LambArgs, _check_lamb, _lamb_cuda),
+):
+    _op.register_kernel("cuda")(_cuda_impl)
+    # The ops return nothing: the fake implementation only validates (shapes are unchanged).
+    _op.register_fake(lambda *args, _a=_args, _c=_check: _c(_a(*args)) and None)
