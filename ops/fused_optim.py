@@ -21,6 +21,7 @@ Read top-down: checks, the PyTorch references (default kernels), the CUDA launch
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -142,6 +143,16 @@ def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     return all(sa == sb for sa, sb, n in zip(a.stride(), b.stride(), a.shape) if n > 1)
 
 
+_shape = operator.attrgetter("shape")
+_dtype = operator.attrgetter("dtype")
+
+
+def _layouts(ts: Tensors) -> tuple:
+    # map over unbound methods: the cheapest per-tensor calls from Python (this runs on every
+    # step, for hundreds of tensors).
+    return tuple(map(_shape, ts)), tuple(map(torch.Tensor.stride, ts)), tuple(map(_dtype, ts))
+
+
 def _check_lists(
     op: str,
     params: Tensors,
@@ -150,26 +161,22 @@ def _check_lists(
     state_steps: Tensors | None,
     scalars: dict[str, torch.Tensor | None],
 ) -> torch.device | None:
-    """``same``: lists aligned with ``params`` (same shape, strides and dtype per position)."""
+    """``same``: lists aligned with ``params`` (same shape, strides and dtype per position;
+    ``updates`` are fp32). The usual all-fine case costs a few C-level maps per list."""
     device = check_tensor_list(op, "params", params, FLOAT_DTYPES)
     n = len(params)
+    shapes, strides, dtypes = _layouts(params)
     for name, ts in same.items():
         d = check_tensor_list(op, name, ts, FLOAT_DTYPES)
         if len(ts) != n:
             raise ValueError(f"{op}: {name} has {len(ts)} tensors but params has {n}")
         if n and d != device:
             raise ValueError(f"{op}: {name} is on {d} but params are on {device}")
-        for i, (p, t) in enumerate(zip(params, ts)):
-            if not _same_layout(p, t):
-                raise ValueError(
-                    f"{op}: {name}[{i}] (shape {tuple(t.shape)}, strides {t.stride()}) must match "
-                    f"params[{i}] (shape {tuple(p.shape)}, strides {p.stride()})"
-                )
-            want = torch.float32 if name == "updates" else p.dtype
-            if t.dtype != want:
-                raise TypeError(f"{op}: {name}[{i}] is {t.dtype}, must be {want}")
-    d = check_tensor_list(op, "copy_to", copy_to, FLOAT_DTYPES)
+        want = (torch.float32,) * n if name == "updates" else dtypes
+        if _layouts(ts) != (shapes, strides, want):
+            _explain_mismatch(op, name, params, ts)
     if copy_to:
+        d = check_tensor_list(op, "copy_to", copy_to, FLOAT_DTYPES)
         if len(copy_to) != n:
             raise ValueError(f"{op}: copy_to has {len(copy_to)} tensors but params has {n}")
         if d != device:
@@ -182,12 +189,28 @@ def _check_lists(
     if state_steps is not None:
         if len(state_steps) != n:
             raise ValueError(f"{op}: state_steps has {len(state_steps)} tensors but params has {n}")
-        for i, s in enumerate(state_steps):
-            check_scalar_tensor(op, f"state_steps[{i}]", s, device, torch.float32)
+        d = check_tensor_list(op, "state_steps", state_steps, (torch.float32,))
+        if n and (d != device or set(map(torch.Tensor.numel, state_steps)) != {1}):
+            for i, s in enumerate(state_steps):
+                check_scalar_tensor(op, f"state_steps[{i}]", s, device, torch.float32)
     for name, t in scalars.items():
         if t is not None:
             check_scalar_tensor(op, name, t, device, torch.float32)
     return device
+
+
+def _explain_mismatch(op: str, name: str, params: Tensors, ts: Tensors) -> None:
+    """Raise naming the first tensor of ``ts`` unlike its param (strides may differ where a
+    dimension has size 1: the memory order is the same)."""
+    for i, (p, t) in enumerate(zip(params, ts)):
+        if not _same_layout(p, t):
+            raise ValueError(
+                f"{op}: {name}[{i}] (shape {tuple(t.shape)}, strides {t.stride()}) must match "
+                f"params[{i}] (shape {tuple(p.shape)}, strides {p.stride()})"
+            )
+        want = torch.float32 if name == "updates" else p.dtype
+        if t.dtype != want:
+            raise TypeError(f"{op}: {name}[{i}] is {t.dtype}, must be {want}")
 
 
 def _check_adam(a: AdamArgs) -> torch.device | None:
@@ -386,12 +409,13 @@ def _kargs(*values: object) -> tuple:
     return tuple(out)
 
 
-def _kernel_ok(cap: Capability, device: torch.device, lists: Sequence[Tensors]) -> bool:
-    """The kernel walks each tensor's memory linearly: every tensor must be dense."""
-    dtypes = {t.dtype for ts in lists for t in ts}
+def _kernel_ok(cap: Capability, device: torch.device, params: Tensors, copy_to: Tensors) -> bool:
+    """The kernel walks each tensor's memory linearly: every tensor must be dense. The other
+    lists were checked to share the params' layout, so params and copy_to say it all."""
+    dtypes = set(map(_dtype, params)) | set(map(_dtype, copy_to))
     if not use_kernel(cap, device, dtypes):
         return False
-    return all(is_dense(t) for ts in lists for t in ts)
+    return all(map(torch.Tensor.is_contiguous, params)) or all(map(is_dense, params))
 
 
 _nulls: dict[tuple[torch.device, int], list[torch.Tensor]] = {}
@@ -420,7 +444,7 @@ def _adam_cuda(*args: object) -> None:
         return
     optional = [a.max_exp_avg_sqs] if a.amsgrad else []
     lists = [a.params, a.grads, a.exp_avgs, a.exp_avg_sqs, *optional]
-    if not _kernel_ok(ADAM, device, [*lists, a.copy_to]):
+    if not _kernel_ok(ADAM, device, a.params, a.copy_to):
         _adam_reference(a)
         return
     flags = _flags(
@@ -430,7 +454,7 @@ def _adam_cuda(*args: object) -> None:
         bias=(_BIAS_CORRECTION, a.bias_correction),
     )
     n = len(a.params)
-    with torch.cuda.device(device):
+    with _cuda.on_device(device):
         # List order as in the kernel: p, g, m, v, step, copy_to, [max_v].
         table = [*lists[:4], a.state_steps, _copy_list(a.copy_to, n, device), *optional]
         tab = _mta.table(table, device)
@@ -449,7 +473,7 @@ def _sgd_cuda(*args: object) -> None:
     device = _check_sgd(a)
     if not a.params:
         return
-    if not _kernel_ok(SGD, device, [a.params, a.grads, a.momentum_buffers, a.copy_to]):
+    if not _kernel_ok(SGD, device, a.params, a.copy_to):
         _sgd_reference(a)
         return
     flags = _flags(
@@ -458,7 +482,7 @@ def _sgd_cuda(*args: object) -> None:
         first=(_FIRST_STEP, a.is_first_step),
     )
     n = len(a.params)
-    with torch.cuda.device(device):
+    with _cuda.on_device(device):
         # List order as in the kernel: p, g, copy_to, [momentum_buffer].
         optional = [a.momentum_buffers] if a.momentum != 0 else []
         table = [a.params, a.grads, _copy_list(a.copy_to, n, device), *optional]
@@ -478,7 +502,7 @@ def _lamb_cuda(*args: object) -> None:
     if not a.params:
         return
     lists = [a.params, a.grads, a.exp_avgs, a.exp_avg_sqs, a.updates]
-    if not _kernel_ok(LAMB, device, [*lists, a.copy_to]):
+    if not _kernel_ok(LAMB, device, a.params, a.copy_to):
         _lamb_reference(a)
         return
     flags = _flags(
@@ -488,7 +512,7 @@ def _lamb_cuda(*args: object) -> None:
         nvlamb=(_NVLAMB, a.use_nvlamb),
     )
     n = len(a.params)
-    with torch.cuda.device(device):
+    with _cuda.on_device(device):
         # List order as in the kernels: p, g, m, v, update, step, copy_to.
         table = [*lists, a.state_steps, _copy_list(a.copy_to, n, device)]
         tab = _mta.table(table, device)

@@ -2,8 +2,8 @@
 
 Read top-down: input checks, the PyTorch reference (the default kernel, ground truth of the
 conformance suite, used on CPU and whenever the CUDA kernel cannot run), the CUDA launchers
-(one launch, or two for the norm, over a whole tensor list via ``ops/_mta.py``), then the public
-ops and their fake and autograd registrations.
+(one launch, or two for the norm, over a whole tensor list via ``ops/_mta.py``), then the op
+declarations (``ops/_registry.py``) with their fake and autograd registrations.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from aiak.ops._capability import (
     is_dense,
     use_kernel,
 )
+from aiak.ops._registry import LIB, define
 
 __all__ = ["multi_tensor_l2norm", "multi_tensor_scale_"]
 
@@ -191,16 +192,9 @@ def _scale_cuda(
 # --------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("aiak::multi_tensor_l2norm", mutates_args=())
-def _l2norm_op(tensors: list[torch.Tensor], per_tensor: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _l2norm_reference(tensors, per_tensor)
-
-
-_l2norm_op.register_kernel("cuda")(_l2norm_cuda)
-
-
-@_l2norm_op.register_fake
-def _(tensors: list[torch.Tensor], per_tensor: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _l2norm_fake(
+    tensors: list[torch.Tensor], per_tensor: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     device = check_tensor_list("multi_tensor_l2norm", "tensors", tensors, FLOAT_DTYPES)
     device = device if device is not None else torch.device("cpu")
     total = torch.empty((), dtype=torch.float32, device=device)
@@ -229,24 +223,27 @@ def _l2norm_backward(ctx, grad_total, grad_per):
     return grads, None
 
 
-_l2norm_op.register_autograd(_l2norm_backward, setup_context=_l2norm_setup)
-
-
-@torch.library.custom_op("aiak::multi_tensor_scale_", mutates_args=("dst", "found_inf"))
-def _scale_op(
-    src: list[torch.Tensor], dst: list[torch.Tensor], scale: torch.Tensor, found_inf: torch.Tensor
-) -> None:
-    _scale_reference(src, dst, scale, found_inf)
-
-
-_scale_op.register_kernel("cuda")(_scale_cuda)
-
-
-@_scale_op.register_fake
-def _(
+def _scale_fake(
     src: list[torch.Tensor], dst: list[torch.Tensor], scale: torch.Tensor, found_inf: torch.Tensor
 ) -> None:
     _check_scale_args(src, dst, scale, found_inf)
+
+
+L2NORM_OP = define(
+    "multi_tensor_l2norm(Tensor[] tensors, bool per_tensor) -> (Tensor, Tensor)",
+    _l2norm_reference,
+    cuda=_l2norm_cuda,
+    fake=_l2norm_fake,
+)
+torch.library.register_autograd(
+    "aiak::multi_tensor_l2norm", _l2norm_backward, setup_context=_l2norm_setup, lib=LIB
+)
+SCALE_OP = define(
+    "multi_tensor_scale_(Tensor[] src, Tensor(a!)[] dst, Tensor scale, Tensor(b!) found_inf) -> ()",
+    _scale_reference,
+    cuda=_scale_cuda,
+    fake=_scale_fake,
+)
 
 
 # --------------------------------------------------------------------------------------------

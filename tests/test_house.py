@@ -35,6 +35,9 @@ def test_aiak_is_a_namespace_package() -> None:
     assert getattr(aiak, "__file__", None) is None
 
 
+_IMPORT_ERRORS = {"ImportError", "ModuleNotFoundError", "Exception"}
+
+
 def _sibling_imports(pkg: str) -> list[str]:
     """Imports of another aiak subpackage outside a try/except ImportError guard."""
     bad = []
@@ -42,10 +45,21 @@ def _sibling_imports(pkg: str) -> list[str]:
         tree = ast.parse(path.read_text(), str(path))
         guarded: set[int] = set()
         for node in ast.walk(tree):
+            body: list[ast.stmt] = []
             if isinstance(node, ast.Try):
                 catches = {ast.unparse(h.type) for h in node.handlers if h.type is not None}
-                if catches & {"ImportError", "ModuleNotFoundError", "Exception"}:
-                    guarded |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+                if any(c.split(".")[-1] in _IMPORT_ERRORS for c in catches):
+                    body = node.body
+            elif isinstance(node, ast.With):  # with contextlib.suppress(ImportError): ...
+                for item in node.items:
+                    call = item.context_expr
+                    if (
+                        isinstance(call, ast.Call)
+                        and ast.unparse(call.func).endswith("suppress")
+                        and any(ast.unparse(a).split(".")[-1] in _IMPORT_ERRORS for a in call.args)
+                    ):
+                        body = node.body
+            guarded |= {id(n) for stmt in body for n in ast.walk(stmt)}
         for node in ast.walk(tree):
             names = []
             if isinstance(node, ast.Import):

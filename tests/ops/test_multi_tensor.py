@@ -353,3 +353,24 @@ def test_cuda_past_two_to_the_31_elements() -> None:
     assert total.item() == pytest.approx(math.sqrt(n - 1 + 9), rel=1e-6)
     found = aiak.ops.multi_tensor_scale_([x], [x], 2.0)
     assert x[-1].item() == 6.0 and x[-2].item() == 2.0 and found.item() == 0.0
+
+
+@pytest.mark.cuda
+def test_cuda_kernel_writes_bump_version_counters() -> None:
+    # A tensor saved for backward and then overwritten by the kernel must make backward raise,
+    # as an in-place torch op would, not silently use the new values.
+    x = torch.randn(100, device="cuda", requires_grad=True)
+    y = x * 2
+    z = (y * y).sum()  # saves y
+    before = y._version
+    aiak.ops.multi_tensor_scale_([y.detach()], [y.detach()], 3.0)
+    assert y._version > before
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.backward()
+
+
+def test_reference_writes_bump_version_counters() -> None:
+    y = torch.randn(10)
+    before = y._version
+    aiak.ops.multi_tensor_scale_([y], [y], 3.0)
+    assert y._version > before
