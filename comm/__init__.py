@@ -1,7 +1,61 @@
-"""aiak.comm — gradient-communication hooks for DistributedDataParallel.
+"""aiak.comm — composable gradient-communication hooks for DistributedDataParallel.
 
-Will hold composable DDP communication-hook factories (allreduce, fp16/bf16 compression with a
-gradient scale, PowerSGD, hierarchical two-level allreduce, NaN checks, multi-stream buckets),
-local gradient accumulation, and activation from the AIAK_*/PERSEUS_* environment variables.
-Nothing is implemented yet.
+Factories return hooks; wrappers take hooks; any combination composes::
+
+    hook = comm.nan_check(comm.hierarchical(outer=comm.fp16_compress(scale=10)))
+    comm.register(ddp_model, hook)          # or comm.register(ddp_model): from the env vars
+    hook.state.bytes_sent()                 # {'intra': ..., 'inter': ..., ...} for the step
+
+States are small picklable ``__slots__`` objects (process groups are dropped on pickle and set
+up again on the first bucket). Pure PyTorch: no other aiak subpackage is imported.
 """
+
+from ._wire import CommError, gloo_timeout
+from .accumulate import Accumulator, accumulate
+from .env import EnvConfig, bucket_cap_mb, ddp, from_env, parse_env, register
+from .hierarchical import HierarchicalState, hierarchical
+from .hooks import (
+    AllreduceState,
+    CastState,
+    CommHook,
+    HookState,
+    MultiStreamState,
+    NanCheckState,
+    allreduce,
+    bf16_compress,
+    fp16_compress,
+    multi_stream,
+    nan_check,
+)
+from .powersgd import PowerSGDState, powersgd
+from .topology import Topology, topology
+
+__all__ = [
+    "Accumulator",
+    "AllreduceState",
+    "CastState",
+    "CommError",
+    "CommHook",
+    "EnvConfig",
+    "HierarchicalState",
+    "HookState",
+    "MultiStreamState",
+    "NanCheckState",
+    "PowerSGDState",
+    "Topology",
+    "accumulate",
+    "allreduce",
+    "bf16_compress",
+    "bucket_cap_mb",
+    "ddp",
+    "fp16_compress",
+    "from_env",
+    "gloo_timeout",
+    "hierarchical",
+    "multi_stream",
+    "nan_check",
+    "parse_env",
+    "powersgd",
+    "register",
+    "topology",
+]

@@ -1,0 +1,294 @@
+"""Wire-level helpers shared by every hook: byte accounting, collectives, future chaining.
+
+Every collective a hook issues goes through :func:`all_reduce`, :func:`reduce_scatter` or
+:func:`all_gather` here, so the bytes are counted in one place and a failure names the rank,
+the operation and the group. Futures are chained with :func:`after`, which never blocks a
+worker thread (torch's own PowerSGD hook calls ``.wait()`` inside ``.then`` callbacks, which
+occupies one of gloo's two worker threads per bucket in flight).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["CommError", "Link", "Traffic", "after", "gloo_timeout"]
+
+Future = torch.futures.Future
+
+# torch >= 2.12 renamed the tensor collectives; the GPU machines run 2.11.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class CommError(RuntimeError):
+    """A collective issued by an aiak.comm hook failed (peer died, timeout, bad input)."""
+
+
+def gloo_timeout() -> datetime.timedelta:
+    """The collective timeout from ``GLOO_TIMEOUT_SECONDS`` (default 60 s, as Perseus)."""
+    raw = os.environ.get("GLOO_TIMEOUT_SECONDS", "").strip()
+    if not raw:
+        return datetime.timedelta(seconds=60)
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"GLOO_TIMEOUT_SECONDS must be a positive number of seconds, got {raw!r}")
+    return datetime.timedelta(seconds=seconds)
+
+
+class Link:
+    """A process group as seen from this rank: its ranks and whether our ring edge leaves the node.
+
+    Bytes are counted under the ring schedule gloo and NCCL use for large tensors: each rank
+    sends ``2(n-1)/n * B`` for an allreduce of ``B`` bytes and ``(n-1)/n * B`` for a
+    reduce-scatter or an allgather, all to its successor in the group; they are inter-node
+    bytes when that successor lives on another node.
+    """
+
+    __slots__ = ("group", "inter", "ranks")
+
+    def __init__(self, group: Any, ranks: Sequence[int], inter: bool) -> None:
+        self.group = group
+        self.ranks = tuple(ranks)
+        self.inter = inter
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def __repr__(self) -> str:
+        return f"Link(ranks={list(self.ranks)}, inter={self.inter})"
+
+
+class Traffic:
+    """Bytes this rank sent, split intra-/inter-node: for the current step and in total."""
+
+    __slots__ = ("_lock", "inter", "inter_total", "intra", "intra_total")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # callbacks of several buckets run on gloo worker threads
+        self.intra = self.inter = self.intra_total = self.inter_total = 0
+
+    def add(self, link: Link, nbytes: int) -> None:
+        with self._lock:
+            if link.inter:
+                self.inter += nbytes
+                self.inter_total += nbytes
+            else:
+                self.intra += nbytes
+                self.intra_total += nbytes
+
+    def new_step(self) -> None:
+        with self._lock:
+            self.intra = self.inter = 0
+
+    def __getstate__(self) -> dict[str, int]:
+        return {k: getattr(self, k) for k in ("inter", "inter_total", "intra", "intra_total")}
+
+    def __setstate__(self, d: dict[str, int]) -> None:
+        self._lock = threading.Lock()
+        for k, v in d.items():
+            setattr(self, k, v)
+
+
+def new_future(t: torch.Tensor) -> Future:
+    # A CUDA-aware future records an event on the current stream at set_result.
+    return Future(devices=[t.device]) if t.device.type == "cuda" else Future()
+
+
+def after(
+    fut: Future, fn: Callable[[Any], Any], like: torch.Tensor, what: str | None = None
+) -> Future:
+    """A future for ``fn(fut.value())``; when ``fn`` returns a future it is flattened.
+
+    Exceptions from ``fut`` (wrapped in :class:`CommError` naming ``what``) or from ``fn``
+    propagate to the returned future, so DDP's wait raises instead of hanging.
+    """
+    out = new_future(like)
+
+    def forward(g: Future) -> None:
+        try:
+            out.set_result(g.value())
+        except BaseException as exc:
+            out.set_exception(exc)
+
+    def callback(f: Future) -> None:
+        try:
+            value = f.value()
+        except BaseException as exc:
+            out.set_exception(CommError(f"{what}: {exc}") if what else exc)
+            return
+        try:
+            result = fn(value)
+        except BaseException as exc:
+            out.set_exception(exc)
+            return
+        if isinstance(result, Future):
+            result.add_done_callback(forward)
+        else:
+            out.set_result(result)
+
+    fut.add_done_callback(callback)
+    return out
+
+
+def done(t: torch.Tensor) -> Future:
+    fut = new_future(t)
+    fut.set_result(t)
+    return fut
+
+
+def _describe(op: str, t: torch.Tensor, link: Link) -> str:
+    rank = dist.get_rank() if dist.is_initialized() else -1
+    return (
+        f"aiak.comm: rank {rank}: {op} of {t.numel()} x {t.dtype} over ranks "
+        f"{list(link.ranks)} failed (a peer died or GLOO_TIMEOUT_SECONDS passed?)"
+    )
+
+
+def _ring_bytes(nbytes: int, n: int, allreduce: bool) -> int:
+    return (2 if allreduce else 1) * (n - 1) * nbytes // n
+
+
+def all_reduce_mean(t: torch.Tensor, link: Link, traffic: Traffic) -> Future:
+    """Average ``t`` in place over ``link``; divides first so fp16 sums do not overflow."""
+    if link.size == 1:
+        return done(t)
+    t.div_(link.size)
+    traffic.add(link, _ring_bytes(t.numel() * t.element_size(), link.size, True))
+    work = dist.all_reduce(t, group=link.group, async_op=True)
+    return after(work.get_future(), lambda _: t, t, _describe("allreduce", t, link))
+
+
+def reduce_scatter(out: torch.Tensor, src: torch.Tensor, link: Link, traffic: Traffic) -> Future:
+    """Sum ``src`` over ``link``; this rank's ``len(out)`` slice lands in ``out``."""
+    traffic.add(link, _ring_bytes(src.numel() * src.element_size(), link.size, False))
+    what = _describe("reduce-scatter", src, link)
+    if dist.get_backend(link.group) != "gloo":
+        work = _reduce_scatter(out, src, group=link.group, async_op=True)
+        return after(work.get_future(), lambda _: out, out, what)
+    # gloo's reduce-scatter has no future (torch 2.13: "Work::getFuture not implemented");
+    # an all-to-all moves the same (n-1)/n bytes, and the n chunks are summed here.
+    recv = torch.empty_like(src)
+    work = dist.all_to_all_single(recv, src, group=link.group, async_op=True)
+    return after(
+        work.get_future(), lambda _: torch.sum(recv.view(link.size, -1), 0, out=out), out, what
+    )
+
+
+def all_gather(out: torch.Tensor, shard: torch.Tensor, link: Link, traffic: Traffic) -> Future:
+    """Concatenate every rank's ``shard`` into ``out``."""
+    traffic.add(link, _ring_bytes(out.numel() * out.element_size(), link.size, False))
+    work = _all_gather(out, shard, group=link.group, async_op=True)
+    return after(work.get_future(), lambda _: out, out, _describe("allgather", out, link))
+
+
+class SubBucket:
+    """A bucket-like view handed to an inner hook: a buffer and per-parameter views into it.
+
+    Real :class:`torch.distributed.GradBucket` objects cannot be built from Python; inner
+    hooks only call ``buffer``, ``gradients``, ``parameters``, ``index`` and ``is_last``.
+    """
+
+    __slots__ = ("_buffer", "_index", "_is_last", "_params", "_views", "step")
+
+    def __init__(
+        self,
+        buffer: torch.Tensor,
+        views: list[torch.Tensor],
+        parent: Any,
+        params: list[torch.Tensor] | None = None,
+        step: int | None = None,
+    ) -> None:
+        # ``step``: the top-level hook's step number, so inner hooks decide per step alike on
+        # every rank even when they run in callbacks.
+        self.step = step if step is not None else getattr(parent, "step", 0)
+        self._buffer = buffer
+        self._views = views
+        self._index = parent.index()
+        self._is_last = parent.is_last()
+        self._params = params if params is not None else []
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self._views
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self._params
+
+    def index(self) -> int:
+        return self._index
+
+    def is_last(self) -> bool:
+        return self._is_last
+
+    def set_buffer(self, t: torch.Tensor) -> None:
+        self._buffer = t
+
+
+def rebase(bucket: Any, buffer: torch.Tensor) -> SubBucket:
+    """The same layout as ``bucket`` over another buffer of the same length (a cast copy)."""
+    views, off = [], 0
+    for g in bucket.gradients():
+        views.append(buffer[off : off + g.numel()].view(g.shape))
+        off += g.numel()
+    return SubBucket(buffer, views, bucket, list(bucket.parameters()))
+
+
+def shard_views(bucket: Any, start: int, shard: torch.Tensor) -> SubBucket:
+    """Views of ``shard`` (elements ``[start, start+len)`` of the bucket) cut along rows.
+
+    Each parameter's part of the shard is split into a partial first row, whole rows (a 2-D
+    view a layer-wise compressor such as PowerSGD can factorise) and a partial last row; the
+    padding past the bucket's end is one more 1-D view, so the views cover the shard exactly.
+    """
+    end = start + shard.numel()
+    views: list[torch.Tensor] = []
+
+    def piece(a: int, b: int) -> None:  # absolute bucket offsets -> 1-D view of the shard
+        if b > a:
+            views.append(shard[a - start : b - start])
+
+    off = 0
+    for g in bucket.gradients():
+        n = g.numel()
+        lo, hi = max(off, start), min(off + n, end)
+        if lo < hi:
+            cols = n // g.shape[0] if g.dim() > 0 and g.shape[0] > 0 else 1
+            r0, r1 = -(-(lo - off) // cols), (hi - off) // cols
+            if r1 > r0:
+                piece(lo, off + r0 * cols)
+                body = shard[off + r0 * cols - start : off + r1 * cols - start]
+                views.append(body.view(r1 - r0, cols))
+                piece(off + r1 * cols, hi)
+            else:
+                piece(lo, hi)
+        off += n
+    piece(max(off, start), end)
+    return SubBucket(shard, views, bucket)
+
+
+def resume(fn: Callable[[], Any], t: torch.Tensor) -> Callable[[Any], Any]:
+    """``fn`` to run later in a callback; on CUDA it first waits for the work queued so far
+    on the current stream (the gradients of ``t``), which the callback's stream has not seen."""
+    if t.device.type != "cuda":
+        return lambda _: fn()
+    event = torch.cuda.Event()
+    event.record()
+
+    def run(_: Any) -> Any:
+        torch.cuda.current_stream().wait_event(event)
+        return fn()
+
+    return run

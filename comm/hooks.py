@@ -1,0 +1,460 @@
+"""Composable DDP communication-hook factories and their picklable states.
+
+A factory returns a :class:`CommHook`: ``hook(state, bucket) -> Future[Tensor]`` for
+``ddp.register_comm_hook(hook.state, hook)``. Every hook also implements
+``reduce(state, bucket, link)``: average ``bucket.buffer()`` in place over ``link`` and return a
+future of it. Wrappers (``fp16_compress``, ``nan_check``, ``multi_stream``, ``hierarchical``)
+call their inner hooks' ``reduce`` with their child state, so any combination composes and the
+whole tree's state is one picklable object. Process groups are never pickled: a loaded state
+sets itself up again (cached groups, no new ones) on its first bucket.
+"""
+
+import logging
+import math
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import _wire
+from ._wire import Link, Traffic
+from .topology import Topology, topology
+
+__all__ = [
+    "AllreduceState",
+    "CastState",
+    "CommHook",
+    "HookState",
+    "MultiStreamState",
+    "NanCheckState",
+    "allreduce",
+    "bf16_compress",
+    "fp16_compress",
+    "multi_stream",
+    "nan_check",
+]
+
+logger = logging.getLogger("aiak.comm")
+
+
+class HookState:
+    """Fields every state has; the run-time ones (leading ``_``) are not pickled."""
+
+    __slots__ = (
+        "_link",
+        "_names",
+        "_ready",
+        "_serial",
+        "_tail",
+        "log_every",
+        "process_group",
+        "step",
+        "traffic",
+    )
+
+    def __init__(self) -> None:
+        # set by the user / factories
+        self.process_group: Any = None  # None: the default (world) group
+        self.log_every = 0  # log this hook tree's bytes every N steps (0: never)
+        # statistics
+        self.step = 0
+        self.traffic = Traffic()
+        # run time, rebuilt by setup
+        self._link: Link | None = None
+        self._names: Mapping[Any, str] = {}
+        self._ready = False
+        self._serial = False  # buckets one after another (a hook of the tree defers launches)
+        self._tail: torch.futures.Future | None = None  # the previous bucket's future
+
+    def children(self) -> tuple["HookState", ...]:
+        return ()
+
+    def bytes_sent(self) -> dict[str, int]:
+        """Bytes this rank sent in the current (last) step and in total, summed over the tree."""
+        out = dict.fromkeys(("intra", "inter", "intra_total", "inter_total"), 0)
+        stack: list[HookState] = [self]
+        while stack:
+            s = stack.pop()
+            for k in out:
+                out[k] += getattr(s.traffic, k)
+            stack.extend(s.children())
+        return out
+
+    def _new_step(self) -> None:
+        self.traffic.new_step()
+        for c in self.children():
+            c._new_step()
+
+    def _slots(self) -> list[str]:
+        return [n for cls in type(self).__mro__ for n in getattr(cls, "__slots__", ())]
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Process groups cannot be pickled: dropped here, the world group is used after load
+        # and subgroups are set up again (from the per-process cache) on the first bucket.
+        skip = ("process_group",)
+        return {n: getattr(self, n) for n in self._slots() if n[0] != "_" and n not in skip}
+
+    def __setstate__(self, d: Mapping[str, Any]) -> None:
+        for n in self._slots():
+            if n.startswith("_") or n == "process_group":
+                setattr(self, n, None)
+        self._names, self._ready, self._serial = {}, False, False
+        for n, v in d.items():
+            setattr(self, n, v)
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{n}={getattr(self, n)!r}" for n in self._slots() if n[0] != "_")
+        return f"{type(self).__name__}({fields})"
+
+
+class Setup:
+    """What a hook tree needs once before its first bucket: topology, candidate groups, names."""
+
+    __slots__ = ("candidates", "mine", "names", "topo")
+
+    def __init__(
+        self, topo: Topology, candidates: list[tuple[int, ...]], mine: int, names: Mapping[Any, str]
+    ) -> None:
+        # ``candidates``: every group this hook may be called on across the world (identical on
+        # all ranks, so collective group creation matches); ``mine`` indexes ours.
+        self.topo, self.candidates, self.mine, self.names = topo, candidates, mine, names
+
+    def below(self, candidates: list[tuple[int, ...]], mine: int) -> "Setup":
+        return Setup(self.topo, candidates, mine, self.names)
+
+
+class CommHook:
+    """Base of every hook. Subclasses implement ``reduce`` and, if they wrap, ``setup_tree``."""
+
+    __slots__ = ("state",)
+    # True when the hook launches collectives from future callbacks. Their order could then
+    # differ between ranks when several buckets are in flight, and gloo/NCCL match collectives
+    # by order; so such a tree runs its buckets one after another (still overlapped with the
+    # backward pass). Only the bottleneck link is busy either way.
+    defers = False
+
+    def __init__(self, state: HookState) -> None:
+        self.state = state
+
+    def deferring(self) -> bool:
+        return self.defers
+
+    def __getattr__(self, name: str) -> str:
+        # DDP's register_comm_hook reads hook.__name__ and __qualname__, which only functions
+        # have; a class attribute named so would rename the class itself.
+        if name in ("__name__", "__qualname__"):
+            return f"aiak_{type(self).__name__.lstrip('_').lower()}"
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __call__(
+        self, state: HookState, bucket: dist.GradBucket
+    ) -> torch.futures.Future[torch.Tensor]:
+        if not state._ready:
+            self.setup(state)
+        if bucket.index() == 0:
+            if state.log_every and state.step and state.step % state.log_every == 0:
+                b = state.bytes_sent()
+                logger.info(
+                    "step %d: sent %d B intra-node, %d B inter-node",
+                    state.step,
+                    b["intra"],
+                    b["inter"],
+                )
+            state._new_step()
+            state.step += 1
+        sub = _wire.SubBucket(
+            bucket.buffer(),
+            bucket.gradients(),
+            bucket,
+            list(bucket.parameters()),
+            step=state.step - 1,
+        )
+        prev = state._tail if bucket.index() > 0 else None
+        if not state._serial or prev is None or prev.done():
+            fut = self.reduce(state, sub, state._link)
+        else:
+            fut = _wire.after(
+                prev,
+                _wire.resume(lambda: self.reduce(state, sub, state._link), sub.buffer()),
+                sub.buffer(),
+            )
+        state._tail = fut
+        return fut
+
+    def setup(
+        self,
+        state: HookState | None = None,
+        process_group: Any = None,
+        names: Mapping[Any, str] | None = None,
+    ) -> HookState:
+        """Detect the topology and create the groups this tree needs (collective; once).
+
+        Called by :func:`aiak.comm.register` before training, or lazily on the first bucket.
+        """
+        state = self.state if state is None else state
+        if process_group is not None and process_group is not dist.group.WORLD:
+            state.process_group = process_group
+        pg = state.process_group if state.process_group is not None else dist.group.WORLD
+        topo = topology()
+        ranks = tuple(dist.get_process_group_ranks(pg))
+        state._link = topo.link(ranks, group=pg)
+        state._names = names if names is not None else state._names
+        self.setup_tree(state, Setup(topo, [ranks], 0, state._names))
+        state._serial = self.deferring()
+        state._tail = None
+        state._ready = True
+        return state
+
+    def setup_tree(self, state: HookState, ctx: Setup) -> None:
+        """Prepare this hook for the groups in ``ctx``; wrappers recurse into their inner hook."""
+
+    def reduce(self, state: HookState, bucket: Any, link: Link) -> torch.futures.Future:
+        raise NotImplementedError
+
+    # Codec interface used by ``hierarchical`` for its intra-node stage (identity here).
+    def encode(self, state: HookState, t: torch.Tensor, length: int) -> torch.Tensor:
+        if length == t.numel():
+            return t
+        out = t.new_zeros(length)
+        out[: t.numel()] = t
+        return out
+
+    def decode_(self, state: HookState, wire: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if wire.data_ptr() != out.data_ptr():
+            out.copy_(wire[: out.numel()])
+        return out
+
+
+def _check_hook(fn: str, name: str, hook: Any) -> None:
+    if not isinstance(hook, CommHook):
+        raise TypeError(f"{fn}: {name} must be an aiak.comm hook, got {type(hook).__name__}")
+
+
+class _Wrapper(CommHook):
+    """A hook with one inner hook: setup recurses with the same groups."""
+
+    __slots__ = ("inner",)
+
+    def __init__(self, state: HookState, inner: CommHook) -> None:
+        super().__init__(state)
+        self.inner = inner
+
+    def setup_tree(self, state: HookState, ctx: Setup) -> None:
+        self.inner.setup_tree(state.inner, ctx)
+
+    def deferring(self) -> bool:
+        return self.defers or self.inner.deferring()
+
+
+# ------------------------------------------------------------------------------------------
+# allreduce
+# ------------------------------------------------------------------------------------------
+
+
+class AllreduceState(HookState):
+    __slots__ = ()
+
+
+class _Allreduce(CommHook):
+    __slots__ = ()
+
+    def reduce(self, state: HookState, bucket: Any, link: Link) -> torch.futures.Future:
+        return _wire.all_reduce_mean(bucket.buffer(), link, state.traffic)
+
+
+def allreduce() -> CommHook:
+    """Plain averaging allreduce (what DDP does without a hook), with byte accounting."""
+    return _Allreduce(AllreduceState())
+
+
+# ------------------------------------------------------------------------------------------
+# fp16 / bf16 compression
+# ------------------------------------------------------------------------------------------
+
+
+class CastState(HookState):
+    __slots__ = ("dtype", "inner", "scale")
+
+    def __init__(self, dtype: torch.dtype, scale: float, inner: HookState) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self.scale = scale  # Perseus's gradient scale: x*scale before the cast, /scale after
+        self.inner = inner
+
+    def children(self) -> tuple[HookState, ...]:
+        return (self.inner,)
+
+
+class _Cast(_Wrapper):
+    __slots__ = ()
+
+    # The cast, scale and divide are plain torch ops (two passes each way on GPU); a one-kernel
+    # aiak:: op for them is not written yet.
+    def encode(self, state: CastState, t: torch.Tensor, length: int) -> torch.Tensor:
+        wire = torch.empty(length, dtype=state.dtype, device=t.device)
+        n = t.numel()
+        if state.scale == 1.0:
+            wire[:n].copy_(t)
+        else:
+            torch.mul(t, state.scale, out=wire[:n])
+        wire[n:].zero_()
+        return wire
+
+    def decode_(self, state: CastState, wire: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        out.copy_(wire[: out.numel()])
+        if state.scale != 1.0:
+            out.div_(state.scale)
+        return out
+
+    def reduce(self, state: CastState, bucket: Any, link: Link) -> torch.futures.Future:
+        buf = bucket.buffer()
+        if buf.dtype == state.dtype:  # already narrow (AMP O2 gradients): nothing to compress
+            return self.inner.reduce(state.inner, bucket, link)
+        wire = self.encode(state, buf, buf.numel())
+        fut = self.inner.reduce(state.inner, _wire.rebase(bucket, wire), link)
+        return _wire.after(fut, lambda _: self.decode_(state, wire, buf), buf)
+
+
+def _cast_hook(fn: str, dtype: torch.dtype, inner: CommHook | None, scale: float) -> CommHook:
+    inner = allreduce() if inner is None else inner
+    _check_hook(fn, "inner", inner)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"{fn}: scale must be a number, got {type(scale).__name__}")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"{fn}: scale must be finite and > 0, got {scale}")
+    return _Cast(CastState(dtype, float(scale), inner.state), inner)
+
+
+def fp16_compress(inner: CommHook | None = None, scale: float = 1.0) -> CommHook:
+    """Send gradients as fp16 through ``inner`` (default: allreduce).
+
+    ``scale`` multiplies before the cast and divides after it (Perseus's gradient scale, 10 by
+    default there) so that small gradients do not flush to zero in fp16.
+    """
+    return _cast_hook("fp16_compress", torch.float16, inner, scale)
+
+
+def bf16_compress(inner: CommHook | None = None, scale: float = 1.0) -> CommHook:
+    """Send gradients as bf16 through ``inner``; fp32's range, so ``scale`` is rarely needed."""
+    return _cast_hook("bf16_compress", torch.bfloat16, inner, scale)
+
+
+# ------------------------------------------------------------------------------------------
+# NaN / Inf check
+# ------------------------------------------------------------------------------------------
+
+
+class NanCheckState(HookState):
+    __slots__ = ("action", "inner", "skipped")
+
+    def __init__(self, action: str, inner: HookState) -> None:
+        super().__init__()
+        self.action = action
+        self.inner = inner
+        self.skipped = 0  # buckets whose non-finite gradients were zeroed (action="skip")
+
+    def children(self) -> tuple[HookState, ...]:
+        return (self.inner,)
+
+
+class _NanCheck(_Wrapper):
+    __slots__ = ("_names",)
+
+    def setup_tree(self, state: HookState, ctx: Setup) -> None:
+        self._names = ctx.names
+        super().setup_tree(state, ctx)
+
+    def reduce(self, state: NanCheckState, bucket: Any, link: Link) -> torch.futures.Future:
+        buf = bucket.buffer()
+        # One host sync per bucket: the price of knowing before anything is sent.
+        if not bool(torch.isfinite(buf).all()):
+            names = getattr(self, "_names", None) or {}
+            params = list(bucket.parameters())
+            bad = []
+            for i, g in enumerate(bucket.gradients()):
+                if not bool(torch.isfinite(g).all()):
+                    p = params[i] if i < len(params) else None
+                    bad.append(
+                        names.get(p, f"#{i} {tuple(g.shape)}")
+                        if p is not None
+                        else f"view #{i} {tuple(g.shape)}"
+                    )
+                    if state.action == "skip":
+                        g.zero_()
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            msg = (
+                f"aiak.comm.nan_check: rank {rank}: non-finite gradients in bucket "
+                f"{bucket.index()} before communication: parameters {bad}"
+            )
+            if state.action == "raise":
+                raise FloatingPointError(msg)
+            state.skipped += 1
+            warnings.warn(msg + " (zeroed on this rank)", RuntimeWarning, stacklevel=2)
+        return self.inner.reduce(state.inner, bucket, link)
+
+
+def nan_check(inner: CommHook | None = None, action: str = "raise") -> CommHook:
+    """Check gradients for NaN/Inf before ``inner`` sends them.
+
+    ``action="raise"``: ``FloatingPointError`` naming the rank and the parameters (the peers
+    then fail at their collective timeout). ``"skip"``: this rank's non-finite gradients are
+    zeroed (its share of the average is 0), a warning names them, ``state.skipped`` counts.
+    """
+    inner = allreduce() if inner is None else inner
+    _check_hook("nan_check", "inner", inner)
+    if action not in ("raise", "skip"):
+        raise ValueError(f"nan_check: action must be 'raise' or 'skip', got {action!r}")
+    return _NanCheck(NanCheckState(action, inner.state), inner)
+
+
+# ------------------------------------------------------------------------------------------
+# Multi-stream: buckets round-robin over k process groups
+# ------------------------------------------------------------------------------------------
+
+
+class MultiStreamState(HookState):
+    __slots__ = ("_links", "inner", "streams")
+
+    def __init__(self, streams: int, inner: HookState) -> None:
+        super().__init__()
+        self.streams = streams
+        self.inner = inner
+        self._links: list[Link] | None = None
+
+    def children(self) -> tuple[HookState, ...]:
+        return (self.inner,)
+
+
+class _MultiStream(_Wrapper):
+    __slots__ = ()
+
+    def setup_tree(self, state: MultiStreamState, ctx: Setup) -> None:
+        # Every rank creates the copies of every candidate group, in the same order.
+        for ranks in ctx.candidates:
+            for c in range(1, state.streams):
+                ctx.topo.group(ranks, c)
+        mine = ctx.candidates[ctx.mine]
+        state._links = [ctx.topo.link(mine, c) for c in range(1, state.streams)]
+        super().setup_tree(state, ctx)
+
+    def reduce(self, state: MultiStreamState, bucket: Any, link: Link) -> torch.futures.Future:
+        k = bucket.index() % state.streams
+        if k and state._links and state._links[k - 1].ranks == link.ranks:
+            link = state._links[k - 1]
+        return self.inner.reduce(state.inner, bucket, link)
+
+
+def multi_stream(inner: CommHook | None = None, streams: int = 2) -> CommHook:
+    """Spread buckets round-robin over ``streams`` process groups (copies of the caller's).
+
+    Each group has its own NCCL stream or gloo connections, so buckets are in flight together.
+    """
+    inner = allreduce() if inner is None else inner
+    _check_hook("multi_stream", "inner", inner)
+    if isinstance(streams, bool) or not isinstance(streams, int):
+        raise TypeError(f"multi_stream: streams must be an int, got {type(streams).__name__}")
+    if not 1 <= streams <= 12:
+        raise ValueError(f"multi_stream: streams must be in 1..12, got {streams}")
+    return _MultiStream(MultiStreamState(streams, inner.state), inner)

@@ -1,0 +1,133 @@
+"""Node topology: which rank lives on which node, and the process groups built from it.
+
+The node of a rank comes from torchrun's ``GROUP_RANK`` (checked against ``LOCAL_WORLD_SIZE``)
+or, failing that, the hostname; every rank publishes its key with one ``all_gather_object``.
+Groups are created once per process and cached on the :class:`Topology` (``new_group`` must be
+called by every rank in the same order, so each is made for every node, not only ours).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from ._wire import Link, gloo_timeout
+
+__all__ = ["Topology", "topology"]
+
+
+def _env_int(environ: Mapping[str, str], name: str, minimum: int) -> int | None:
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {raw!r}")
+    return value
+
+
+def node_key(environ: Mapping[str, str] | None = None) -> str:
+    """This rank's node identity: ``GROUP_RANK`` when torchrun set it, else the hostname."""
+    environ = os.environ if environ is None else environ
+    _env_int(environ, "LOCAL_WORLD_SIZE", 1)  # validated here so a bad value fails early
+    group_rank = _env_int(environ, "GROUP_RANK", 0)
+    return f"group:{group_rank}" if group_rank is not None else f"host:{socket.gethostname()}"
+
+
+class Topology:
+    """Nodes of the world group. ``node_of[r]`` is the node index of global rank ``r``."""
+
+    __slots__ = ("_groups", "local_rank", "node_of", "nodes", "rank", "source")
+
+    def __init__(self, keys: Sequence[str], rank: int, local_world_size: int | None = None):
+        if not keys:
+            raise ValueError("Topology: keys must name the node of at least one rank")
+        if not 0 <= rank < len(keys):
+            raise ValueError(f"Topology: rank {rank} out of range for {len(keys)} ranks")
+        order: dict[str, int] = {}
+        for k in keys:
+            order.setdefault(k, len(order))
+        self.node_of = tuple(order[k] for k in keys)
+        self.nodes = tuple(
+            tuple(r for r, n in enumerate(self.node_of) if n == i) for i in range(len(order))
+        )
+        if local_world_size is not None:
+            for i, members in enumerate(self.nodes):
+                if len(members) != local_world_size:
+                    raise ValueError(
+                        f"LOCAL_WORLD_SIZE={local_world_size} but node {i} ({keys[members[0]]})"
+                        f" has {len(members)} ranks: {list(members)}; check GROUP_RANK"
+                    )
+        self.rank = rank
+        self.local_rank = self.nodes[self.node_of[rank]].index(rank)
+        self.source = keys[0].split(":", 1)[0]
+        self._groups: dict[tuple[tuple[int, ...], int], Any] = {}
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def homogeneous(self) -> bool:
+        return len({len(n) for n in self.nodes}) == 1
+
+    @property
+    def local_size(self) -> int:
+        return len(self.nodes[self.node_of[self.rank]])
+
+    def inter_ranks(self, local_rank: int) -> tuple[int, ...]:
+        """The ranks with ``local_rank`` on each node (the inter-node group of that shard)."""
+        return tuple(node[local_rank] for node in self.nodes)
+
+    def crosses(self, ranks: Sequence[int]) -> bool:
+        """Whether this rank's ring successor in ``ranks`` sits on another node."""
+        if self.rank not in ranks or len(ranks) < 2:
+            return False
+        i = list(ranks).index(self.rank)
+        return self.node_of[ranks[(i + 1) % len(ranks)]] != self.node_of[self.rank]
+
+    def group(self, ranks: Sequence[int], copy: int = 0) -> Any:
+        """The process group over ``ranks`` (``copy`` > 0: an extra one for multi-stream).
+
+        Collective: every rank must make the same calls in the same order.
+        """
+        key = (tuple(ranks), copy)
+        if key not in self._groups:
+            world = dist.get_world_size()
+            if copy == 0 and len(ranks) == world and list(ranks) == list(range(world)):
+                self._groups[key] = dist.group.WORLD
+            else:
+                self._groups[key] = dist.new_group(list(ranks), timeout=gloo_timeout())
+        return self._groups[key]
+
+    def link(self, ranks: Sequence[int], copy: int = 0, group: Any = None) -> Link:
+        pg = group if group is not None else self.group(ranks, copy)
+        return Link(pg, ranks, self.crosses(ranks))
+
+    def __repr__(self) -> str:
+        return f"Topology(nodes={[list(n) for n in self.nodes]}, rank={self.rank})"
+
+
+_CACHE: dict[int, Topology] = {}
+
+
+def topology() -> Topology:
+    """The world's topology, detected once per default process group (a collective)."""
+    if not dist.is_initialized():
+        raise RuntimeError("aiak.comm.topology: torch.distributed is not initialized")
+    world = dist.group.WORLD
+    key = id(world)
+    if key not in _CACHE:
+        keys: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(keys, node_key())
+        lws = _env_int(os.environ, "LOCAL_WORLD_SIZE", 1) if "GROUP_RANK" in os.environ else None
+        _CACHE.clear()  # a new default group: groups of the old one are gone
+        _CACHE[key] = Topology(keys, dist.get_rank(), lws)
+    return _CACHE[key]

@@ -1,0 +1,310 @@
+"""Single-process tests: env parsing, argument checks, topology, shard views, pickling."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from aiak import comm
+from aiak.comm import _wire
+from aiak.comm.topology import Topology, node_key
+
+# ------------------------------------------------------------------------------------------
+# environment variables
+# ------------------------------------------------------------------------------------------
+
+
+def kinds(hook) -> list[str]:
+    """The hook tree as type names, outermost first, following inner/outer."""
+    out, todo = [], [hook]
+    while todo:
+        h = todo.pop(0)
+        out.append(type(h).__name__.lstrip("_"))
+        todo += [getattr(h, a) for a in ("inner", "outer") if hasattr(h, a)]
+    return out
+
+
+def test_env_empty_means_ddp_builtin():
+    assert comm.from_env({}) is None
+
+
+@pytest.mark.parametrize(
+    ("env", "tree"),
+    [
+        ({"AIAK_FP16_COMPRESSION": "1"}, ["Cast", "Allreduce"]),
+        ({"PERSEUS_ALLREDUCE_DTYPE": "0"}, ["Cast", "Allreduce"]),
+        ({"PERSEUS_ALLREDUCE_DTYPE": "2"}, ["Hierarchical", "Allreduce", "Cast", "Allreduce"]),
+        (
+            {"AIAK_HIERARCHICAL_ALLREDUCE": "1", "AIAK_FP16_COMPRESSION": "1"},
+            ["Cast", "Hierarchical", "Allreduce", "Allreduce"],
+        ),
+        (
+            {
+                "AIAK_HIERARCHICAL_ALLREDUCE": "1",
+                "AIAK_POWERSGD_COMPRESSION": "1",
+                "PERSEUS_ALLREDUCE_NANCHECK": "1",
+            },
+            ["NanCheck", "Hierarchical", "Allreduce", "PowerSGD"],
+        ),
+        ({"PERSEUS_ALLREDUCE_STREAMS": "3"}, ["MultiStream", "Allreduce"]),
+        (
+            {"PERSEUS_ALLREDUCE_MODE": "1", "PERSEUS_ALLREDUCE_STREAMS": "2"},
+            ["Hierarchical", "Allreduce", "MultiStream", "Allreduce"],
+        ),
+    ],
+)
+def test_env_builds_the_composition(env, tree):
+    assert kinds(comm.from_env(env)) == tree
+
+
+def test_env_values_reach_the_hooks():
+    hook = comm.from_env(
+        {
+            "AIAK_POWERSGD_COMPRESSION": "1",
+            "AIAK_MATRIX_APPROXIMATION_RANK": "4",
+            "AIAK_START_COMPRESS_ITER": "7",
+            "AIAK_COMM_LOG_STEPS": "5",
+        }
+    )
+    assert (hook.state.rank, hook.state.start_iter, hook.state.log_every) == (4, 7, 5)
+    fp16 = comm.from_env({"PERSEUS_ALLREDUCE_DTYPE": "0", "PERSEUS_ALLREDUCE_GRADIENT_SCALE": "5"})
+    assert fp16.state.scale == 5.0 and fp16.state.dtype == torch.float16
+    assert comm.parse_env({"PERSEUS_ALLREDUCE_FUSION": "16"}).fusion_mb == 16
+    assert comm.parse_env({"PERSEUS_ALLREDUCE_MODE": "auto"}).mode is None
+    assert comm.parse_env({"PERSEUS_ACCUMULATE_N_STEPS": "4"}).accumulate == 4
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("AIAK_FP16_COMPRESSION", "yes"),
+        ("AIAK_HIERARCHICAL_ALLREDUCE", "2"),
+        ("AIAK_MATRIX_APPROXIMATION_RANK", "0"),
+        ("AIAK_START_COMPRESS_ITER", "1"),
+        ("PERSEUS_ALLREDUCE_DTYPE", "3"),
+        ("PERSEUS_ALLREDUCE_MODE", "two"),
+        ("PERSEUS_ALLREDUCE_GRADIENT_SCALE", "-1"),
+        ("PERSEUS_ALLREDUCE_GRADIENT_SCALE", "inf"),
+        ("PERSEUS_ALLREDUCE_STREAMS", "13"),
+        ("PERSEUS_ALLREDUCE_FUSION", "200"),
+        ("PERSEUS_ACCUMULATE_N_STEPS", "0"),
+        ("GLOO_TIMEOUT_SECONDS", "soon"),
+        ("PERSEUS_DOWNSAMPLE_N_ELEMENTS", "x"),
+    ],
+)
+def test_env_malformed_value_names_the_variable(name, value):
+    with pytest.raises(ValueError, match=name):
+        comm.parse_env({name: value})
+
+
+@given(
+    st.sampled_from(
+        ["AIAK_FP16_COMPRESSION", "PERSEUS_ALLREDUCE_NANCHECK", "AIAK_POWERSGD_COMPRESSION"]
+    ),
+    st.text(min_size=1, max_size=6).filter(lambda s: s.strip() not in ("", "0", "1")),
+)
+def test_env_flags_accept_only_0_and_1(name, value):
+    with pytest.raises(ValueError, match=name):
+        comm.parse_env({name: value})
+
+
+@pytest.mark.parametrize(
+    ("env", "names"),
+    [
+        (
+            {"AIAK_HIERARCHICAL_ALLREDUCE": "1", "PERSEUS_ALLREDUCE_MODE": "0"},
+            "AIAK_HIERARCHICAL_ALLREDUCE",
+        ),
+        (
+            {"PERSEUS_ALLREDUCE_DTYPE": "2", "PERSEUS_ALLREDUCE_MODE": "0"},
+            "PERSEUS_ALLREDUCE_DTYPE",
+        ),
+        ({"AIAK_FP16_COMPRESSION": "1", "PERSEUS_ALLREDUCE_DTYPE": "1"}, "AIAK_FP16_COMPRESSION"),
+        ({"AIAK_POWERSGD_COMPRESSION": "1", "AIAK_FP16_COMPRESSION": "1"}, "choose one"),
+    ],
+)
+def test_env_contradictions_are_errors(env, names):
+    with pytest.raises(ValueError, match=names):
+        comm.parse_env(env)
+
+
+def test_env_unimplemented_feature_is_not_silently_ignored():
+    with pytest.raises(NotImplementedError, match="PERSEUS_DOWNSAMPLE_N_ELEMENTS"):
+        comm.parse_env({"PERSEUS_DOWNSAMPLE_N_ELEMENTS": "4"})
+    comm.parse_env({"PERSEUS_DOWNSAMPLE_N_ELEMENTS": "1"})  # the default is fine
+
+
+def test_gloo_timeout(monkeypatch):
+    monkeypatch.setenv("GLOO_TIMEOUT_SECONDS", "7")
+    assert comm.gloo_timeout().total_seconds() == 7
+    monkeypatch.setenv("GLOO_TIMEOUT_SECONDS", "0")
+    with pytest.raises(ValueError, match="GLOO_TIMEOUT_SECONDS"):
+        comm.gloo_timeout()
+    monkeypatch.delenv("GLOO_TIMEOUT_SECONDS")
+    assert comm.gloo_timeout().total_seconds() == 60
+
+
+# ------------------------------------------------------------------------------------------
+# factory argument checks
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("make", "exc", "arg"),
+    [
+        (lambda: comm.fp16_compress(scale=0), ValueError, "scale"),
+        (lambda: comm.fp16_compress(scale="10"), TypeError, "scale"),
+        (lambda: comm.bf16_compress(inner=lambda s, b: None), TypeError, "inner"),
+        (lambda: comm.powersgd(rank=0), ValueError, "rank"),
+        (lambda: comm.powersgd(rank=1.5), TypeError, "rank"),
+        (lambda: comm.powersgd(start_iter=1), ValueError, "start_iter"),
+        (lambda: comm.nan_check(action="ignore"), ValueError, "action"),
+        (lambda: comm.multi_stream(streams=0), ValueError, "streams"),
+        (lambda: comm.multi_stream(streams=2.0), TypeError, "streams"),
+        (lambda: comm.hierarchical(inner=comm.powersgd()), TypeError, "inner"),
+        (lambda: comm.hierarchical(outer=object()), TypeError, "outer"),
+        (lambda: comm.hierarchical(fallback="maybe"), ValueError, "fallback"),
+    ],
+)
+def test_factories_validate_arguments(make, exc, arg):
+    with pytest.raises(exc, match=arg):
+        make()
+
+
+def test_powersgd_start_iter_may_be_small_without_memories():
+    assert comm.powersgd(start_iter=0, error_feedback=False, warm_start=False).state.start_iter == 0
+
+
+# ------------------------------------------------------------------------------------------
+# topology
+# ------------------------------------------------------------------------------------------
+
+
+def test_topology_from_keys():
+    t = Topology(["group:0", "group:0", "group:1", "group:1"], rank=2, local_world_size=2)
+    assert t.nodes == ((0, 1), (2, 3)) and t.local_rank == 0 and t.homogeneous
+    assert t.inter_ranks(1) == (1, 3)
+    assert not t.crosses((0, 1, 2, 3))  # rank 2 sends to 3, same node
+    assert t.crosses((0, 1, 2))  # rank 2 wraps around to 0, across the link
+    assert Topology(["a", "a", "b", "b"], rank=1).crosses((0, 1, 2, 3))  # 1 -> 2 leaves node
+    assert Topology(["a", "a", "b"], rank=0).homogeneous is False
+
+
+def test_topology_local_world_size_mismatch_is_an_error():
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE=2"):
+        Topology(["group:0", "group:0", "group:0", "group:1"], rank=0, local_world_size=2)
+
+
+def test_node_key_env():
+    assert node_key({"GROUP_RANK": "3", "LOCAL_WORLD_SIZE": "8"}) == "group:3"
+    assert node_key({}).startswith("host:")
+    with pytest.raises(ValueError, match="GROUP_RANK"):
+        node_key({"GROUP_RANK": "-1"})
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE"):
+        node_key({"LOCAL_WORLD_SIZE": "eight"})
+
+
+# ------------------------------------------------------------------------------------------
+# shard views (what hierarchical hands its outer hook)
+# ------------------------------------------------------------------------------------------
+
+
+class FakeBucket:
+    def __init__(self, shapes):
+        self.buf = torch.arange(sum(int(torch.Size(s).numel()) for s in shapes), dtype=torch.float)
+        self.views, off = [], 0
+        for s in shapes:
+            n = int(torch.Size(s).numel())
+            self.views.append(self.buf[off : off + n].view(s))
+            off += n
+
+    def buffer(self):
+        return self.buf
+
+    def gradients(self):
+        return self.views
+
+    def parameters(self):
+        return []
+
+    def index(self):
+        return 0
+
+    def is_last(self):
+        return True
+
+
+shapes_st = st.lists(
+    st.one_of(
+        st.tuples(st.integers(1, 9)),
+        st.tuples(st.integers(1, 7), st.integers(1, 7)),
+        st.tuples(st.integers(1, 4), st.integers(1, 3), st.integers(1, 3)),
+    ),
+    min_size=1,
+    max_size=6,
+)
+
+
+@given(shapes_st, st.integers(1, 5))
+def test_shard_views_cover_each_shard_exactly_and_keep_rows(shapes, g):
+    bucket = FakeBucket(shapes)
+    n = bucket.buf.numel()
+    shard_len = -(-n // g)
+    padded = torch.cat([bucket.buf, torch.full((shard_len * g - n,), -1.0)])
+    for k in range(g):
+        shard = padded[k * shard_len : (k + 1) * shard_len].clone()
+        sub = _wire.shard_views(bucket, k * shard_len, shard)
+        covered = torch.zeros(shard_len, dtype=torch.int)
+        for v in sub.gradients():
+            assert v.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr()
+            start = (v.data_ptr() - shard.data_ptr()) // 4
+            covered[start : start + v.numel()] += 1
+            if v.dim() == 2:  # whole rows of one parameter: row starts are row multiples
+                first = int(v[0, 0])
+                owner = next(
+                    g_
+                    for g_ in bucket.views
+                    if g_.reshape(-1)[0] <= first < g_.reshape(-1)[0] + g_.numel()
+                )
+                cols = owner.numel() // owner.shape[0]
+                assert v.shape[1] == cols and (first - int(owner.reshape(-1)[0])) % cols == 0
+        assert torch.equal(covered, torch.ones(shard_len, dtype=torch.int))
+
+
+# ------------------------------------------------------------------------------------------
+# pickling and import hygiene
+# ------------------------------------------------------------------------------------------
+
+
+def test_state_tree_pickles_without_groups():
+    hook = comm.nan_check(comm.hierarchical(outer=comm.fp16_compress(scale=10)))
+    hook.state.process_group = object()  # stands for a ProcessGroup, which cannot be pickled
+    hook.state.traffic.add(_wire.Link(None, (0, 1), inter=True), 123)
+    loaded = pickle.loads(pickle.dumps(hook.state))
+    assert loaded.process_group is None and loaded._ready is False
+    assert loaded.inner.outer.scale == 10 and loaded.inner.outer.dtype == torch.float16
+    assert loaded.bytes_sent()["inter"] == 123
+    loaded.traffic.add(_wire.Link(None, (0, 1), inter=False), 5)  # the lock came back
+    assert loaded.bytes_sent()["intra"] == 5
+
+
+def test_hook_passes_ddp_signature_checks():
+    import inspect
+
+    hook = comm.fp16_compress()
+    assert list(inspect.signature(hook).parameters) == ["state", "bucket"]
+    assert hook.__name__ == "aiak_cast" and hook.__qualname__ == "aiak_cast"
+
+
+def test_import_is_lean():
+    code = (
+        "import sys, aiak.comm; bad = [m for m in ('aiak.ops', 'aiak.optim', 'aiak.amp', "
+        "'aiak.data', 'cupy', 'numba') if m in sys.modules]; assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
