@@ -9,6 +9,7 @@ whole tree's state is one picklable object. Process groups are never pickled: a 
 sets itself up again (cached groups, no new ones) on its first bucket.
 """
 
+import contextlib
 import logging
 import math
 import warnings
@@ -37,6 +38,16 @@ __all__ = [
 ]
 
 logger = logging.getLogger("aiak.comm")
+
+# The one sibling comm may use, through torch.ops only (ARCHITECTURE.md rule 1): on CUDA the
+# fp16/bf16 cast with Perseus's gradient scale is one pass of aiak::multi_tensor_scale_.
+with contextlib.suppress(ImportError):
+    import aiak.ops  # noqa: F401
+
+
+def _fused_cast_available(t: torch.Tensor) -> bool:
+    # On CPU two torch ops are as fast as the op's reference; the kernel only pays on CUDA.
+    return t.is_cuda and hasattr(torch.ops.aiak, "multi_tensor_scale_")
 
 
 class HookState:
@@ -290,12 +301,15 @@ class CastState(HookState):
 class _Cast(_Wrapper):
     __slots__ = ()
 
-    # The cast, scale and divide are plain torch ops (two passes each way on GPU); a one-kernel
-    # aiak:: op for them is not written yet.
+    # On CUDA with aiak.ops loaded, each direction is one pass of aiak::multi_tensor_scale_
+    # (cast and scale, or divide and cast back, fused); otherwise plain torch ops (decode then
+    # takes two passes: copy, divide).
     def encode(self, state: CastState, t: torch.Tensor, length: int) -> torch.Tensor:
         wire = torch.empty(length, dtype=state.dtype, device=t.device)
         n = t.numel()
-        if state.scale == 1.0:
+        if _fused_cast_available(t):
+            _scale_into(t.reshape(-1), wire[:n], state.scale)
+        elif state.scale == 1.0:
             wire[:n].copy_(t)
         else:
             torch.mul(t, state.scale, out=wire[:n])
@@ -303,6 +317,9 @@ class _Cast(_Wrapper):
         return wire
 
     def decode_(self, state: CastState, wire: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if _fused_cast_available(out) and out.is_contiguous():
+            _scale_into(wire[: out.numel()], out.view(-1), 1.0 / state.scale)
+            return out
         out.copy_(wire[: out.numel()])
         if state.scale != 1.0:
             out.div_(state.scale)
@@ -315,6 +332,14 @@ class _Cast(_Wrapper):
         wire = self.encode(state, buf, buf.numel())
         fut = self.inner.reduce(state.inner, _wire.rebase(bucket, wire), link)
         return _wire.after(fut, lambda _: self.decode_(state, wire, buf), buf)
+
+
+def _scale_into(src: torch.Tensor, dst: torch.Tensor, scale: float) -> None:
+    """dst = src * scale in one kernel (dtype converted). The non-finite flag the op also
+    computes is dropped here: ``nan_check`` is the hook for that."""
+    s = torch.full((), scale, dtype=torch.float32, device=src.device)
+    found = torch.zeros(1, dtype=torch.float32, device=src.device)
+    torch.ops.aiak.multi_tensor_scale_([src], [dst], s, found)
 
 
 def _cast_hook(fn: str, dtype: torch.dtype, inner: CommHook | None, scale: float) -> CommHook:

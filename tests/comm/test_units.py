@@ -303,8 +303,26 @@ def test_hook_passes_ddp_signature_checks():
 
 
 def test_import_is_lean():
+    # aiak.ops is the one sibling allowed (guarded, for the fused fp16 cast on CUDA).
     code = (
-        "import sys, aiak.comm; bad = [m for m in ('aiak.ops', 'aiak.optim', 'aiak.amp', "
+        "import sys, aiak.comm; bad = [m for m in ('aiak.optim', 'aiak.amp', "
         "'aiak.data', 'cupy', 'numba') if m in sys.modules]; assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_fused_cast_matches_torch_ops(dtype: torch.dtype) -> None:
+    # One aiak::multi_tensor_scale_ pass each way must give what mul+cast / copy+div give.
+    from aiak.comm import hooks
+
+    hook = hooks._cast_hook("t", dtype, None, 10.0)
+    state = hook.state
+    t = torch.randn(100_003, device="cuda") * 1e-3
+    wire = hook.encode(state, t, t.numel() + 5)
+    assert torch.equal(wire[: t.numel()], (t * 10.0).to(dtype)) and not wire[t.numel() :].any()
+    out = torch.empty_like(t)
+    hook.decode_(state, wire, out)
+    want = wire[: t.numel()].float() * torch.tensor(0.1, device="cuda")
+    assert torch.equal(out, want)
