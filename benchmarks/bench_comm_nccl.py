@@ -133,7 +133,7 @@ def main() -> int:
             {
                 "mode": name,
                 "step_ms": ms,
-                "rel_err_step1": err,
+                "rel_err_step1": f"{err:.2e}",
                 "tol": tol or "",
                 "check": ok,
                 "world": world,
