@@ -51,34 +51,51 @@ _cache: collections.OrderedDict[tuple, Table] = collections.OrderedDict()
 _lock = threading.Lock()
 
 
-def table(lists: Sequence[Sequence[torch.Tensor]], device: torch.device) -> Table:
-    """The device table for ``lists`` (aligned lists of dense tensors on ``device``).
+def key(tag: str, lists: Sequence[Sequence[torch.Tensor]]) -> tuple:
+    """What makes a table valid: addresses, sizes and dtypes of every list (device addresses
+    are unique in the process, so they also fix the device). ``tag`` separates ops, so a cache
+    hit also means "this op has validated this exact set before". ``map`` over unbound methods:
+    the cheapest per-tensor calls from Python, and this runs on every op call."""
+    return (
+        tag,
+        tuple(tuple(map(torch.Tensor.numel, ts)) for ts in lists),
+        tuple(tuple(map(torch.Tensor.data_ptr, ts)) for ts in lists),
+        tuple(tuple(map(_dtype, ts)) for ts in lists),
+    )
+
+
+def lookup(k: tuple) -> Table | None:
+    """The cached table for key ``k`` (ordered after its upload on this stream), or None."""
+    with _lock:
+        found = _cache.get(k)
+        if found is not None:
+            _cache.move_to_end(k)
+    if found is not None:
+        found.wait()
+    return found
+
+
+def table(lists: Sequence[Sequence[torch.Tensor]], device: torch.device, tag: str = "") -> Table:
+    """The device table for ``lists`` (aligned lists of dense tensors on ``device``), built
+    and cached on first use.
 
     Tensors of list 0 set the sizes; the caller has checked that every list has the same
     length, the same numel per position, supported dtypes and dense layouts.
     """
-    # The key is what makes a table valid: addresses, sizes and dtypes (map over unbound
-    # methods: the cheapest per-tensor calls from Python, this runs on every op call).
-    numels = tuple(map(torch.Tensor.numel, lists[0]))
-    ptrs = tuple(tuple(map(torch.Tensor.data_ptr, ts)) for ts in lists)
-    dtypes = tuple(tuple(map(_dtype, ts)) for ts in lists)
-    key = (device.index, numels, ptrs, dtypes)
-    with _lock:
-        found = _cache.get(key)
-        if found is not None:
-            _cache.move_to_end(key)
+    k = key(tag, lists)
+    found = lookup(k)
     if found is not None:
-        found.wait()
         return found
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             "aiak multi-tensor op: this tensor set was first seen during CUDA graph capture, "
             "where its address table cannot be uploaded; run the op once before capturing"
         )
+    _, numels, ptrs, dtypes = k
     codes = tuple(tuple(DTYPE_CODES[d] for d in ds) for ds in dtypes)
-    built = _build(numels, ptrs, codes, device)
+    built = _build(numels[0], ptrs, codes, device)
     with _lock:
-        _cache[key] = built
+        _cache[k] = built
         if len(_cache) > CACHE_SIZE:
             _cache.popitem(last=False)
     return built

@@ -115,6 +115,13 @@ def test_scale_in_place_and_found_inf_is_sticky() -> None:
     assert found.item() == 1.0  # never cleared by the op
 
 
+def test_scale_pairs_match_by_element_count() -> None:
+    src = torch.randn(3, 4)
+    flat = torch.empty(12, dtype=torch.float16)  # a flat half copy of a shaped fp32 tensor
+    aiak.ops.multi_tensor_scale_([src], [flat], 2.0)
+    assert torch.equal(flat, (src.reshape(-1) * 2).half())
+
+
 def test_scale_keeps_layout_of_channels_last() -> None:
     x = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
     y = torch.empty_like(x)  # same strides
@@ -148,8 +155,13 @@ def _scale(src, dst, scale=None, found=None):
         ),
         (lambda: aiak.ops.multi_tensor_l2norm([torch.ones(2).to_sparse()]), TypeError, "layout"),
         (lambda: _scale([torch.ones(3)], []), ValueError, "src has 1 tensors but dst has 0"),
-        (lambda: _scale([torch.ones(3)], [torch.ones(4)]), ValueError, r"dst\[0\] has shape"),
-        (lambda: _scale([torch.ones(3, 4)], [torch.ones(4, 3).t()]), ValueError, "memory layout"),
+        (lambda: _scale([torch.ones(3)], [torch.ones(4)]), ValueError, r"dst\[0\] has 4 elements"),
+        (lambda: _scale([torch.ones(2, 6)], [torch.ones(4, 3).t()]), ValueError, "differ in shape"),
+        (
+            lambda: _scale([torch.ones(4, 3).t()], [torch.ones(4, 3).t().contiguous()]),
+            ValueError,
+            "same memory layout",
+        ),
         (lambda: _scale([torch.ones(6)[::2]], [torch.ones(3)]), ValueError, "dense"),
         (
             lambda: _scale([torch.ones(3)], [torch.ones(3, dtype=torch.int32)]),
@@ -374,3 +386,23 @@ def test_reference_writes_bump_version_counters() -> None:
     before = y._version
     aiak.ops.multi_tensor_scale_([y], [y], 3.0)
     assert y._version > before
+
+
+@pytest.mark.cuda
+def test_cuda_validated_fast_path_is_not_fooled_by_views() -> None:
+    # A cached (validated) table is keyed by address, size and dtype; a strided view with the
+    # same address and size must still be checked and computed as what it is.
+    x = torch.randn(2000, device="cuda")
+    head, strided = x[:1000], x[::2]
+    assert head.data_ptr() == strided.data_ptr() and head.numel() == strided.numel()
+    aiak.ops.multi_tensor_l2norm([head])
+    total, _ = aiak.ops.multi_tensor_l2norm([strided])
+    _assert_rel(total.reshape(1), strided.double().norm().reshape(1), 1e-6)
+    dst = torch.empty(1000, device="cuda")
+    aiak.ops.multi_tensor_scale_([head], [dst], 2.0)
+    with pytest.raises(ValueError, match="dense"):
+        aiak.ops.multi_tensor_scale_([strided], [dst], 2.0)
+    with pytest.raises(ValueError, match="scale is on cpu"):
+        torch.ops.aiak.multi_tensor_scale_(
+            [head], [dst], torch.ones(()), torch.zeros(1, device="cuda")
+        )
