@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -37,6 +37,7 @@ from aiak.ops._capability import (
     is_dense,
     use_kernel,
 )
+from aiak.ops._registry import define
 
 __all__: list[str] = []
 
@@ -660,134 +661,65 @@ def _lamb_cuda(*args: object) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op(
-    "aiak::fused_adam_",
-    mutates_args=(
-        "params",
-        "grads",
-        "exp_avgs",
-        "exp_avg_sqs",
-        "max_exp_avg_sqs",
-        "state_steps",
-        "copy_to",
-    ),
+# Schemas, field for field as the NamedTuples above; (a!)...: the lists the kernels write.
+_ADAM_SCHEMA = (
+    "fused_adam_(Tensor(a!)[] params, Tensor(b!)[] grads, Tensor(c!)[] exp_avgs, "
+    "Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] max_exp_avg_sqs, Tensor(f!)[] state_steps, "
+    "Tensor(g!)[] copy_to, float lr, Tensor? lr_tensor, float beta1, float beta2, float eps, "
+    "float weight_decay, bool adam_w_mode, bool amsgrad, bool maximize, bool bias_correction, "
+    "Tensor? grad_scale, Tensor? found_inf) -> ()"
 )
-def _adam_op(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    max_exp_avg_sqs: list[torch.Tensor],
-    state_steps: list[torch.Tensor],
-    copy_to: list[torch.Tensor],
-    lr: float,
-    lr_tensor: torch.Tensor | None,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    adam_w_mode: bool,
-    amsgrad: bool,
-    maximize: bool,
-    bias_correction: bool,
-    grad_scale: torch.Tensor | None,
-    found_inf: torch.Tensor | None,
-) -> None:
-    _adam_reference(AdamArgs(*_locals_in_order(locals(), AdamArgs)))
-
-
-@torch.library.custom_op(
-    "aiak::fused_sgd_", mutates_args=("params", "grads", "momentum_buffers", "copy_to")
+_SGD_SCHEMA = (
+    "fused_sgd_(Tensor(a!)[] params, Tensor(b!)[] grads, Tensor(c!)[] momentum_buffers, "
+    "Tensor(d!)[] copy_to, float lr, Tensor? lr_tensor, float momentum, float dampening, "
+    "float weight_decay, bool nesterov, bool maximize, bool is_first_step, Tensor? scales, "
+    "Tensor? grad_scale, Tensor? found_inf) -> ()"
 )
-def _sgd_op(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    momentum_buffers: list[torch.Tensor],
-    copy_to: list[torch.Tensor],
-    lr: float,
-    lr_tensor: torch.Tensor | None,
-    momentum: float,
-    dampening: float,
-    weight_decay: float,
-    nesterov: bool,
-    maximize: bool,
-    is_first_step: bool,
-    scales: torch.Tensor | None,
-    grad_scale: torch.Tensor | None,
-    found_inf: torch.Tensor | None,
-) -> None:
-    _sgd_reference(SgdArgs(*_locals_in_order(locals(), SgdArgs)))
-
-
-@torch.library.custom_op(
-    "aiak::fused_lamb_",
-    mutates_args=("params", "exp_avgs", "exp_avg_sqs", "updates", "state_steps", "copy_to"),
+_LAMB_SCHEMA = (
+    "fused_lamb_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
+    "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] updates, Tensor(e!)[] state_steps, "
+    "Tensor(f!)[] copy_to, Tensor grad_norm, float lr, Tensor? lr_tensor, float beta1, "
+    "float beta2, float eps, float weight_decay, bool bias_correction, bool grad_averaging, "
+    "bool adam_w_mode, bool use_nvlamb, float max_grad_norm, Tensor? grad_scale, "
+    "Tensor? found_inf) -> ()"
 )
-def _lamb_op(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    updates: list[torch.Tensor],
-    state_steps: list[torch.Tensor],
-    copy_to: list[torch.Tensor],
-    grad_norm: torch.Tensor,
-    lr: float,
-    lr_tensor: torch.Tensor | None,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    bias_correction: bool,
-    grad_averaging: bool,
-    adam_w_mode: bool,
-    use_nvlamb: bool,
-    max_grad_norm: float,
-    grad_scale: torch.Tensor | None,
-    found_inf: torch.Tensor | None,
-) -> None:
-    _lamb_reference(LambArgs(*_locals_in_order(locals(), LambArgs)))
 
 
-def _locals_in_order(values: dict[str, object], fields: type) -> list[object]:
-    return [values[name] for name in fields._fields]
+def _positional(fn: Callable[[Any], object], fields: type) -> Callable[..., None]:
+    """A kernel taking the op's arguments positionally, from one taking the NamedTuple."""
+
+    def kernel(*args: object) -> None:
+        fn(fields(*args))
+
+    return kernel
 
 
-for _op, _args, _check, _cuda_impl in (
-    (_adam_op, AdamArgs, _check_adam, _adam_cuda),
-    (_sgd_op, SgdArgs, _check_sgd, _sgd_cuda),
-    (_lamb_op, LambArgs, _check_lamb, _lamb_cuda),
-):
-    _op.register_kernel("cuda")(_cuda_impl)
+def _fake(check: Callable[[Any], object], fields: type) -> Callable[..., None]:
     # The ops return nothing: the fake implementation only validates (shapes are unchanged).
-    _op.register_fake(lambda *args, _a=_args, _c=_check: _c(_a(*args)) and None)
+    def fake(*args: object) -> None:
+        check(fields(*args))
+
+    return fake
 
 
-# --------------------------------------------------------------------------------------------
-# Eager entry points for aiak.optim
-# --------------------------------------------------------------------------------------------
-#
-# torch.library's Python custom_op wrapper bumps the version counter of every mutated tensor
-# one Python call at a time and checks aliasing: ~1.2 ms of host time per step for 161 params
-# x 6 lists, four times the kernel's GPU time (H100, torch 2.11). In eager mode on CUDA these
-# call the launcher directly and bump all the versions in one C call; anywhere else (CPU,
-# torch.compile tracing) they are the ops themselves.
-
-
-def _direct(op: object, cuda_impl: Callable[..., None], mutated: tuple[int, ...]) -> Callable:
-    def call(*args: object) -> None:
-        params = args[0]
-        if not (params and params[0].is_cuda) or torch.compiler.is_compiling():
-            op(*args)
-            return
-        cuda_impl(*args)
-        tensors = [t for i in mutated for t in args[i]]
-        torch._C._increment_version(tensors)
-
-    return call
-
-
-fused_adam_ = _direct(torch.ops.aiak.fused_adam_, _adam_cuda, (0, 1, 2, 3, 4, 5, 6))
-fused_sgd_ = _direct(torch.ops.aiak.fused_sgd_, _sgd_cuda, (0, 1, 2, 3))
-fused_lamb_ = _direct(torch.ops.aiak.fused_lamb_, _lamb_cuda, (0, 2, 3, 4, 5, 6))
+# Calling one of these is the eager fast path (see ops/_registry.py: the kernel straight from
+# Python when the dispatcher is not needed); ``.overload`` is torch.ops.aiak.fused_*.default.
+fused_adam_ = define(
+    _ADAM_SCHEMA,
+    _positional(_adam_reference, AdamArgs),
+    cuda=_adam_cuda,
+    fake=_fake(_check_adam, AdamArgs),
+)
+fused_sgd_ = define(
+    _SGD_SCHEMA,
+    _positional(_sgd_reference, SgdArgs),
+    cuda=_sgd_cuda,
+    fake=_fake(_check_sgd, SgdArgs),
+)
+fused_lamb_ = define(
+    _LAMB_SCHEMA,
+    _positional(_lamb_reference, LambArgs),
+    cuda=_lamb_cuda,
+    fake=_fake(_check_lamb, LambArgs),
+)
 __all__ += ["fused_adam_", "fused_lamb_", "fused_sgd_"]

@@ -275,6 +275,7 @@ L2NORM_OP = define(
     _l2norm_reference,
     cuda=_l2norm_cuda,
     fake=_l2norm_fake,
+    differentiable=True,
 )
 torch.library.register_autograd(
     "aiak::multi_tensor_l2norm", _l2norm_backward, setup_context=_l2norm_setup, lib=LIB
@@ -300,7 +301,7 @@ def multi_tensor_l2norm(
 
     Accepts fp32/fp16/bf16 tensors, mixed, of any sizes (empty ones count 0) on one device.
     """
-    return torch.ops.aiak.multi_tensor_l2norm(list(tensors), per_tensor)
+    return L2NORM_OP(list(tensors), per_tensor)
 
 
 def multi_tensor_scale_(
@@ -320,5 +321,5 @@ def multi_tensor_scale_(
         scale = torch.full((), float(scale), dtype=torch.float32, device=device)
     if found_inf is None:
         found_inf = torch.zeros(1, dtype=torch.float32, device=device)
-    torch.ops.aiak.multi_tensor_scale_(src, dst, scale, found_inf)
+    SCALE_OP(src, dst, scale, found_inf)
     return found_inf

@@ -1,0 +1,99 @@
+"""LARS (You, Gitman & Ginsburg 2017): SGD with momentum and a per-layer trust ratio.
+
+Per tensor, with d = g + weight_decay * p::
+
+    trust = trust_coefficient * ||p|| / (||g|| + weight_decay * ||p|| + eps)
+            (1 when ||p|| == 0 or ||g|| == 0, and for excluded tensors)
+    buf = momentum * buf + trust * d      (buf = trust * d on the first step)
+    p  -= lr * buf
+
+1-D tensors (biases, norm scales) are excluded from the adaptation by default
+(``exclude_1d=True``); weight decay still applies to them unless their group sets it to 0.
+The norms are taken on the device (``aiak::multi_tensor_l2norm`` when available) and the
+update is ``aiak::fused_sgd_`` with the ratios as per-tensor scales: no host synchronisation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from aiak.optim import _common as C
+from aiak.optim.sgd import sgd_step
+
+__all__ = ["LARS"]
+
+
+class LARS(C.FusedOptimizer):
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | torch.Tensor,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+        trust_coefficient: float = 0.001,
+        eps: float = 1e-8,
+        exclude_1d: bool = True,
+        *,
+        set_grad_none: bool = True,
+    ) -> None:
+        defaults = {
+            "lr": lr,
+            "momentum": momentum,
+            "weight_decay": weight_decay,
+            "trust_coefficient": trust_coefficient,
+            "eps": eps,
+            "exclude_1d": exclude_1d,
+        }
+        super().__init__(params, defaults, set_grad_none)
+
+    def _check_group(self, group: dict, index: int) -> None:
+        owner = f"{type(self).__name__} (param_groups[{index}])"
+        C.check_nonnegative(
+            owner,
+            lr=group["lr"],
+            momentum=group["momentum"],
+            weight_decay=group["weight_decay"],
+            trust_coefficient=group["trust_coefficient"],
+            eps=group["eps"],
+        )
+
+    def _step_group(self, group: dict, params: list[torch.Tensor]) -> None:
+        device = params[0].device
+        grad_scale, _ = C.amp_args(self, device)
+        pn, gn = _norms(params, [p.grad for p in params], device)
+        if grad_scale is not None:
+            gn = gn / grad_scale  # norms of the still-scaled grads
+        wd, tc, eps = (float(group[k]) for k in ("weight_decay", "trust_coefficient", "eps"))
+        trust = tc * pn / (gn + wd * pn + eps)
+        adapt = (pn > 0) & (gn > 0)
+        if group["exclude_1d"]:
+            adapt &= self._adapted(params, device)
+        scales = torch.where(adapt, trust, torch.ones_like(trust)).float()
+        sgd_step(self, group, params, scales=scales)
+
+    def _adapted(self, params: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """Which params get a trust ratio (dim > 1), as a device mask cached per param set:
+        one upload, then nothing crosses to the device on later steps."""
+        key = tuple(map(id, params))
+        masks = self.__dict__.setdefault("_masks", {})
+        mask = masks.get(key)
+        if mask is None:
+            mask = torch.tensor([p.dim() > 1 for p in params]).to(device)
+            masks[key] = mask
+        return mask
+
+
+def _norms(
+    params: list[torch.Tensor], grads: list[torch.Tensor], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tensor L2 norms of params and grads (fp32, on ``device``), in one op when possible."""
+    n = len(params)
+    if C.use_ops(device) and all(t.dtype in C.KERNEL_DTYPES for t in params + grads):
+        _, per = torch.ops.aiak.multi_tensor_l2norm(params + grads, True)
+        return per[:n], per[n:]
+    pn = torch.stack(torch._foreach_norm(params)).float()
+    gn = torch.stack(torch._foreach_norm(grads)).float()
+    return pn, gn
