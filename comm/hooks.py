@@ -42,7 +42,7 @@ logger = logging.getLogger("aiak.comm")
 # The one sibling comm may use, through torch.ops only (ARCHITECTURE.md rule 1): on CUDA the
 # fp16/bf16 cast with Perseus's gradient scale is one pass of aiak::multi_tensor_scale_.
 with contextlib.suppress(ImportError):
-    import aiak.ops  # noqa: F401
+    import aiak.ops
 
 
 def _fused_cast_available(t: torch.Tensor) -> bool:
@@ -337,9 +337,7 @@ class _Cast(_Wrapper):
 def _scale_into(src: torch.Tensor, dst: torch.Tensor, scale: float) -> None:
     """dst = src * scale in one kernel (dtype converted). The non-finite flag the op also
     computes is dropped here: ``nan_check`` is the hook for that."""
-    s = torch.full((), scale, dtype=torch.float32, device=src.device)
-    found = torch.zeros(1, dtype=torch.float32, device=src.device)
-    torch.ops.aiak.multi_tensor_scale_([src], [dst], s, found)
+    aiak.ops.multi_tensor_scale_([src], [dst], scale)  # eager fast path of the op
 
 
 def _cast_hook(fn: str, dtype: torch.dtype, inner: CommHook | None, scale: float) -> CommHook:
