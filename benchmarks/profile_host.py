@@ -32,6 +32,11 @@ def host_us(fn: Callable[[], Any], calls: int = 200) -> float:
     return t / calls * 1e6
 
 
+def _no_grad(fn: Callable[..., Any], *args: Any) -> Any:
+    with torch.no_grad():
+        return fn(*args)
+
+
 def profile_set(name: str, shapes: list[tuple[int, ...]]) -> None:
     ts = [torch.randn(s, device="cuda") for s in shapes]
     dst = [torch.empty_like(t) for t in ts]
@@ -39,6 +44,7 @@ def profile_set(name: str, shapes: list[tuple[int, ...]]) -> None:
     fp32 = (torch.float32, torch.float16, torch.bfloat16)
     stages = {
         "torch.ops.aiak.multi_tensor_l2norm": lambda: torch.ops.aiak.multi_tensor_l2norm(ts, True),
+        "  Op eager fast path (no_grad)": lambda: _no_grad(multi_tensor.L2NORM_OP, ts, True),
         "  launcher without dispatcher": lambda: multi_tensor._l2norm_cuda(ts, True),
         "  check_tensor_list": lambda: _capability.check_tensor_list("x", "t", ts, fp32),
         "  _mta.table (hit)": lambda: _mta.table([ts], ts[0].device),
@@ -54,6 +60,7 @@ def profile_set(name: str, shapes: list[tuple[int, ...]]) -> None:
         "torch.ops.aiak.multi_tensor_scale_": lambda: torch.ops.aiak.multi_tensor_scale_(
             ts, dst, s, found
         ),
+        "  Op eager fast path": lambda: multi_tensor.SCALE_OP(ts, dst, s, found),
         "  launcher without dispatcher ": lambda: multi_tensor._scale_cuda(ts, dst, s, found),
         "  _check_scale_args": lambda: multi_tensor._check_scale_args(ts, dst, s, found),
         "torch._foreach_mul": lambda: torch._foreach_mul(ts, s),
