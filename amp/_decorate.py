@@ -13,11 +13,21 @@ Where each O2 duty happens, and why there:
   optimizer does it inside its own kernel (the ``_aiak_copy_back`` protocol, see ``__init__``).
 - ``zero_grad`` also clears the half model grads: a step skipped by GradScaler must not leave
   its inf grads behind for the next backward to accumulate onto.
+
+Host cost per step (``benchmarks/profile_amp_host.py``): the GradScaler's ``.item()`` makes the
+host finish everything after backward while the GPU waits, so every per-tensor Python statement
+of the step path is exposed time (~1-2 µs each on the H100 machine's host, 161-170 tensors).
+The copies therefore run from cached :class:`~aiak.amp._multi_tensor.Plan` objects, checked
+against the live tensors with C-level passes (``map(operator.is_, ...)``) rather than rebuilt;
+the masters keep their ``.grad`` buffers between steps instead of being cleared one by one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import itertools
+import operator
 import types
 import warnings
 import weakref
@@ -35,6 +45,26 @@ __all__ = ["AmpState", "decorate", "parameters", "scale_loss", "state_of"]
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _ENGINE = torch.autograd.Variable._execution_engine
+_GRAD = operator.attrgetter("grad")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+
+@dataclasses.dataclass
+class _GradCopy:
+    """How one backward's half grads reach the masters, kept while the grads stay the same.
+
+    ``grads`` are the model grads the plan was made for (None where a param had none), by
+    identity; ``masters``/``bufs`` the masters that receive a grad and their fp32 buffers;
+    ``idle`` the masters whose model param had no grad (their ``.grad`` must be None).
+    """
+
+    grads: list[torch.Tensor | None]
+    nones: int
+    plan: _multi_tensor.Plan | None
+    masters: list[nn.Parameter]
+    bufs: list[torch.Tensor]
+    idle: list[nn.Parameter]
+
 
 # id(optimizer) -> its AmpState, for GradScaler.update, which only sees optimizer ids. Values are
 # weak: a state lives exactly as long as its optimizer (the one strong reference to it).
@@ -57,7 +87,16 @@ class AmpState:
         # configuration
         self.dtype = dtype
         self.policy = policy
+        # The scaled copy of scale_loss (copy + unscale + inf check in one pass) uses the aiak
+        # op when it is there. The plain copies (grads in, masters back) use torch's
+        # _foreach_copy_: one C++ call. Measured on the H100 machine's host
+        # (benchmarks/profile_amp_host.py --device cuda, 161 ResNet-50-shaped params, 55 of them
+        # with masters): copy-back 86 µs through foreach vs 510 µs through the op on a set it
+        # had cached; grad copy 323 vs 1237 µs when backward made new grads. The GPU work is
+        # the same pass either way (~0.06 ms for ResNet-50). Set copy_backend = "aiak" to go
+        # back to the op.
         self.backend = _multi_tensor.default_backend()
+        self.copy_backend = "foreach"
         self.loss_scalers = [LossScaler(policy) for _ in range(num_losses)]
         # tensors: model_params[i] (half) is trained through masters[i] (fp32); fp32_params are
         # model params kept fp32 (BatchNorm) that the optimizer trains directly.
@@ -76,6 +115,8 @@ class AmpState:
         self._skip = False
         self._step_depth = 0
         self._grad_bufs: list[torch.Tensor | None] = [None] * len(masters)
+        self._grad_copy: _GradCopy | None = None
+        self._copy_back: _multi_tensor.Plan | None = None
         self._sync_checked = False
         self._pending_load: dict[str, Any] | None = None
 
@@ -102,22 +143,50 @@ class AmpState:
             return  # scale_loss moves and unscales the grads when its block exits
         if not self._sync_checked:
             self._check_masters_in_sync()
-        srcs, dsts = [], []
-        for i, (param, master) in enumerate(zip(self.model_params, self.masters)):
-            if param.grad is None:
-                master.grad = None
+        gc = self._grad_copy_for(list(map(_GRAD, self.model_params)))
+        # zero_grad(set_to_none=True) (every step by default) and a skipped scale_loss step
+        # clear the masters' .grad: point them at their buffers again. One C-level pass when
+        # nothing changed (zero_grad(set_to_none=False), or accumulation).
+        if not all(map(operator.is_, map(_GRAD, gc.masters), gc.bufs)):
+            for master, buf in zip(gc.masters, gc.bufs):
+                master.grad = buf
+        for master in gc.idle:
+            master.grad = None
+        if gc.plan is not None:
+            with torch.no_grad():
+                gc.plan.copy_()
+        self.transition(Event.GRADS_COPIED)
+
+    def _grad_copy_for(self, grads: list[torch.Tensor | None]) -> _GradCopy:
+        """The grad copy for this backward's model grads: the cached one while they are the
+        same tensors (zero_grad(set_to_none=False), accumulation); the cached one re-pointed at
+        new grads when they are new tensors of the same params (set_to_none=True); else a new
+        one, walking the params in Python once."""
+        gc = self._grad_copy
+        if gc is not None and (gc.plan is None or gc.plan.backend == self.copy_backend):
+            if all(map(operator.is_, grads, gc.grads)) and (gc.plan is None or gc.plan.valid()):
+                return gc
+            nones = sum(map(operator.is_, grads, itertools.repeat(None)))
+            if nones == 0 and gc.nones == 0 and gc.plan is not None:
+                plan = gc.plan.with_src(grads)
+                if plan is not None:
+                    gc.grads, gc.plan = grads, plan
+                    return gc
+        srcs, masters, bufs, idle = [], [], [], []
+        for i, (grad, master) in enumerate(zip(grads, self.masters)):
+            if grad is None:
+                idle.append(master)
                 continue
             buf = self._grad_bufs[i]
             if buf is None:
                 # empty_like keeps the master's layout (channels_last too), which is the grad's.
                 buf = self._grad_bufs[i] = torch.empty_like(master)
-            master.grad = buf
-            srcs.append(param.grad)
-            dsts.append(buf)
-        if srcs:
-            with torch.no_grad():
-                _multi_tensor.copy_(srcs, dsts, self.backend)
-        self.transition(Event.GRADS_COPIED)
+            srcs.append(grad)
+            masters.append(master)
+            bufs.append(buf)
+        plan = _multi_tensor.Plan(srcs, bufs, self.copy_backend) if srcs else None
+        gc = self._grad_copy = _GradCopy(grads, len(idle), plan, masters, bufs, idle)
+        return gc
 
     def _check_masters_in_sync(self) -> None:
         """Once, at the first backward: was the half model changed behind amp's back (DDP's
@@ -156,6 +225,11 @@ class AmpState:
                 f"aiak.amp.scale_loss: loss_id {loss_id} out of range: decorate(num_losses="
                 f"{len(self.loss_scalers)}) gives ids 0..{len(self.loss_scalers) - 1}"
             )
+        if self.stage is Stage.COPIED_BACK:
+            # A new iteration without zero_grad: the masters still hold the last step's grads
+            # (after_step keeps them); losses of this iteration must not accumulate onto them.
+            for m in self.masters:
+                m.grad = None
         # fp32 params accumulate in .grad natively: set earlier losses' (unscaled) grads aside so
         # that this backward leaves only its own scaled grads there.
         self._stash = [p.grad for p in self.fp32_params]
@@ -240,26 +314,40 @@ class AmpState:
             return
         if not self.fused_copy_back:
             self.copy_masters_to_model()
-        for m in self.masters:
-            m.grad = None  # consumed; the next backward mirrors fresh grads into them
+        # The masters keep their .grad (their fp32 buffers, held anyway): the next backward
+        # overwrites them, and clearing 161 of them one by one here cost exposed host time.
         self.transition(Event.COPIED_BACK)
 
     def zero_model_grads(self, set_to_none: bool) -> None:
-        for p in self.model_params:
-            if p.grad is None:
-                continue
-            if set_to_none:
+        if set_to_none:
+            for p in self.model_params:
                 p.grad = None
-            else:
-                p.grad.detach_().zero_()
+        else:
+            grads = [g for g in map(_GRAD, self.model_params) if g is not None]
+            if any(map(_REQUIRES_GRAD, grads)):  # a create_graph backward: as torch does
+                for g in grads:
+                    if g.grad_fn is not None:
+                        g.detach_()
+                    else:
+                        g.requires_grad_(False)
+            if grads:
+                torch._foreach_zero_(grads)  # one call, not one zero_() per grad
         self._found_inf = None
         self._backward_queued = False  # a backward that raised never ran its callback
         self._step_depth = 0  # nor did a step that raised run its post-hook
         self.transition(Event.ZERO_GRAD)
 
     def copy_masters_to_model(self) -> None:
+        plan = self._copy_back
+        if plan is None or plan.backend != self.copy_backend or not plan.valid():
+            # The params themselves, not p.detach() per step (a new tensor each: ~1-2 µs apiece
+            # on the H100 host); under no_grad the copy may write them. Aliases the plan makes
+            # detach.
+            plan = self._copy_back = _multi_tensor.Plan(
+                self.masters, self.model_params, self.copy_backend
+            )
         with torch.no_grad():
-            _multi_tensor.copy_(self.masters, [p.detach() for p in self.model_params], self.backend)
+            plan.copy_()
 
     # -- checkpoints ---------------------------------------------------------------------------
 
@@ -536,8 +624,9 @@ def _hook_model_params(state: AmpState) -> None:
     ref = weakref.ref(state)
 
     def on_grad(param: torch.Tensor) -> None:
+        # Runs once per param per backward: after the first, only this flag test.
         s = ref()
-        if s is not None:
+        if s is not None and not s._backward_queued:
             s.on_grad_accumulated()
 
     for p in state.model_params:

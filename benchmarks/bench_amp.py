@@ -149,19 +149,23 @@ def run_mode(
     o2 = mode.startswith("o2")
     if o2:
         model, optimizer = amp.decorate(model, optimizer, dtype=dtype)
-        note = note or f"backend={amp.state_of(optimizer).backend}"
+        state = amp.state_of(optimizer)
+        note = note or f"backend={state.backend} copies={state.copy_backend}"
     scaler = amp.GradScaler(device.type, enabled=mode != "fp32" and dtype == torch.float16)
     timer = Timer(device)
-    copy_ms: list[float] = []
+    copy_marks: list[tuple[Any, Any]] = []
     if o2:
         # Time the grad copy amp does at the end of backward (a final autograd callback).
+        # Only mark here; read after the step: a synchronize inside backward (as this did
+        # until 2026-11) stalls the host there and exposes all the host work after it, which
+        # an untimed O2 step hides behind the GPU; it inflated the o2 rows' step times.
         state = amp.state_of(optimizer)
         inner = state._after_backward
 
         def timed_after_backward() -> None:
             start = timer.mark()
             inner()
-            copy_ms.append(timer.ms(start, timer.mark()))
+            copy_marks.append((start, timer.mark()))
 
         state._after_backward = timed_after_backward
     if device.type == "cuda":
@@ -185,7 +189,8 @@ def run_mode(
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     q = statistics.quantiles(step_ms, n=5) if len(step_ms) > 1 else step_ms * 4
     median = statistics.median(step_ms)
-    added = statistics.median(post_ms) + (statistics.median(copy_ms[warmup:]) if o2 else 0.0)
+    copy_ms = [timer.ms(start, end) for start, end in copy_marks[warmup:]]
+    added = statistics.median(post_ms) + (statistics.median(copy_ms) if o2 else 0.0)
     return {
         "median_ms": median,
         "p20_ms": q[0],

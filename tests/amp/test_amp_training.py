@@ -44,7 +44,7 @@ def _decorated(dtype: torch.dtype, backend: str, **kwargs):
     ref, ref_opt = fp32_twin(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     model, opt = amp.decorate(model, opt, dtype=dtype, **kwargs)
-    amp.state_of(opt).backend = backend
+    amp.state_of(opt).backend = amp.state_of(opt).copy_backend = backend
     return model, opt, ref, ref_opt
 
 
@@ -199,11 +199,12 @@ def test_fused_optimizer_copies_back_and_amp_does_not(monkeypatch: pytest.Monkey
         amp.decorate(model, opt)
         calls: list[int] = []
 
-        def counting_copy(*args, calls=calls, real=_multi_tensor.copy_):
+        def counting_copy(*args, calls=calls, real=_multi_tensor.Plan.copy_):
             calls.append(1)
             return real(*args)
 
-        monkeypatch.setattr(_multi_tensor, "copy_", counting_copy)
+        # amp copies through cached plans (Plan.copy_), not the one-shot _multi_tensor.copy_.
+        monkeypatch.setattr(_multi_tensor.Plan, "copy_", counting_copy)
         scaler = amp.GradScaler("cpu")
         for _ in range(3):
             seed_step(model, opt, scaler, x, y, torch.float16)
