@@ -9,6 +9,8 @@ path calls ``torch.ops.aiak.fused_*``; otherwise (or on CPU) the same math runs 
 from __future__ import annotations
 
 import functools
+import itertools
+import operator
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -21,6 +23,13 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 # Tests set this to exercise the foreach path on CUDA (the path taken without aiak.ops).
 FORCE_FOREACH = False
 
+# Per-tensor reads as C-level callables: ``map(_grad, params)`` costs about half of the
+# equivalent list comprehension, and every per-step pass over the params is one of these.
+_grad = operator.attrgetter("grad")
+_dtype = operator.attrgetter("dtype")
+_layout = operator.attrgetter("layout")
+_stride = torch.Tensor.stride
+
 
 @functools.cache
 def _ops_loaded() -> bool:
@@ -32,13 +41,16 @@ def _ops_loaded() -> bool:
 
 
 def op(name: str) -> Any:
-    """``aiak.ops.fused_optim.<name>``: the op's eager fast path (in eager CUDA the kernel is
-    called without converting every tensor list through the dispatcher; otherwise the op
-    itself), or ``torch.ops.aiak.<name>`` when that module is not there."""
+    """``aiak.ops.fused_optim.<name>`` (or ``aiak.ops.<name>``, as ``multi_tensor_l2norm``): the
+    op's eager fast path (in eager CUDA the kernel is called without converting every tensor
+    list through the dispatcher; otherwise the op itself), or ``torch.ops.aiak.<name>`` when
+    neither is there. The dispatcher costs ~37 µs per Tensor[161] argument on a 2-core EPYC
+    host (benchmarks/profile_optim_host.py), about twice that on the H100 machine's."""
     import aiak.ops
 
     module = getattr(aiak.ops, "fused_optim", None)
-    return getattr(module, name, None) or getattr(torch.ops.aiak, name)
+    found = getattr(module, name, None) or getattr(aiak.ops, name, None)
+    return found or getattr(torch.ops.aiak, name)
 
 
 def use_ops(device: torch.device) -> bool:
@@ -89,19 +101,18 @@ def check_params(owner: str, group: dict, index: int) -> None:
         )
 
 
-def params_with_grad(owner: str, group: dict) -> list[torch.Tensor]:
-    """The group's params that have a grad (the others are skipped, as torch does)."""
-    params = group["params"]
-    grads = [p.grad for p in params]
-    out = [p for p, g in zip(params, grads) if g is not None]
-    if len(out) < len(params):
-        grads = [g for g in grads if g is not None]
-    if grads and {g.layout for g in grads} != {torch.strided}:
-        i = next(i for i, p in enumerate(params) if p.grad is not None and p.grad.is_sparse)
+def check_dense_grads(
+    owner: str, plan: Plan, grads: Sequence[torch.Tensor], which: Sequence[int] | None = None
+) -> None:
+    """Refuse sparse grads, naming the param's index in its group. ``grads``: those of
+    ``plan.params``, or of ``plan.params[i] for i in which``."""
+    if grads and set(map(_layout, grads)) != {torch.strided}:
+        positions = [i for i, has in enumerate(plan.mask) if has]
+        j = next(j for j, g in enumerate(grads) if g.layout != torch.strided)
+        index = positions[j if which is None else which[j]]
         raise TypeError(
-            f"{owner}: params[{i}] has a sparse grad; fused optimizers take dense grads only"
+            f"{owner}: params[{index}] has a sparse grad; fused optimizers take dense grads only"
         )
-    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -207,6 +218,144 @@ def coefficients(steps: Sequence[torch.Tensor], fn: Callable[[Any], Any]) -> lis
 
 
 # --------------------------------------------------------------------------------------------
+# The per-group plan: the step's lists, built once
+# --------------------------------------------------------------------------------------------
+#
+# Why: on CUDA a step is one launch per group, but building its arguments in Python walked the
+# params several times per step (grads, ``self.state[p]`` for each state tensor — a dict lookup
+# through ``Tensor.__hash__``, a Python function —, dtype and layout checks, copy-back targets).
+# benchmarks/profile_optim_host.py (161 tensors, launches stubbed, CPU time on a 2-core EPYC):
+# FusedAdamW 154 µs, FusedSGD 161 µs, LAMB 241 µs of Python per step before plans, 81 / 73 /
+# 92 µs with them; the H100 machine's host is slower still (~2x). Everything but the grads is
+# the same from step to step, so it is built once per group (``Plan``) and only
+# re-validated per step with C-level identity checks (~1 µs per 25 tensors each).
+
+
+class Plan:
+    """One param group's step arguments (params with a grad, their state tensors, copy-back
+    targets, layout facts), valid while what it was built from is unchanged.
+
+    ``FusedOptimizer._plans`` rebuilds it when the group dict, its ``params`` list or any param
+    in it, which params have a grad, the subclass's ``_plan_key`` (e.g. ``amsgrad``), any
+    tensor in ``self.state`` (load_state_dict, a state entry set or deleted, ``state[p] =
+    {}``) or the amp copy-back mapping changed, and after a step that marked it ``stale`` (SGD's
+    first step, which creates momentum buffers). Only the grads are read per step.
+    """
+
+    __slots__ = (
+        "copy_to",
+        "device",
+        "dtypes",
+        "extra",
+        "group",
+        "group_params",
+        "kernel_dtypes",
+        "key",
+        "lists",
+        "mask",
+        "params",
+        "partial",
+        "snapshot",
+        "stale",
+        "strides",
+        "zero_strided",
+    )
+
+    def __init__(self, group: dict, mask: tuple[bool, ...], key: Any) -> None:
+        self.group = group
+        self.group_params = group["params"]
+        self.snapshot = tuple(self.group_params)
+        self.mask = mask
+        self.partial = not all(mask)
+        self.key = key
+        self.params: list[torch.Tensor] = (
+            list(itertools.compress(self.group_params, mask))
+            if self.partial
+            else list(self.group_params)
+        )
+        self.lists: dict[str, list[torch.Tensor]] = {}
+        self.copy_to: list[torch.Tensor] = []
+        self.extra: dict[str, Any] = {}  # subclasses' per-plan caches (workspaces, masks)
+        self.stale = False
+        ps = self.params
+        self.device = ps[0].device if ps else None
+        self.strides = tuple(map(_stride, ps))
+        self.dtypes = tuple(map(_dtype, ps))
+        self.kernel_dtypes = set(self.dtypes) <= set(KERNEL_DTYPES)
+        # A sparse COO grad reports all-zero strides: it passes the per-step stride comparison
+        # only against a param whose strides are all zero too (0-dim), so those are checked.
+        self.zero_strided = [i for i, st in enumerate(self.strides) if not any(st)]
+
+    def valid_for(self, group: dict, mask: tuple[bool, ...], key: Any) -> bool:
+        params = group["params"]
+        return (
+            not self.stale
+            and self.group is group
+            and self.group_params is params
+            and self.mask == mask
+            and self.key == key
+            and len(params) == len(self.snapshot)
+            and all(map(operator.is_, params, self.snapshot))
+        )
+
+
+def _state_tensors(state: dict) -> tuple | None:
+    """Every value of every per-param state dict, in order: compared by identity per step, so a
+    replaced state tensor, entry or dict (and load_state_dict's new ``state``) rebuilds the
+    plans. ~7 µs for 161 params x 3 entries on the 2-core EPYC host."""
+    try:
+        return tuple(itertools.chain.from_iterable(map(dict.values, state.values())))
+    except TypeError:  # not dicts: nothing to compare, rebuild every step
+        return None
+
+
+def _copy_back_items(mapping: Any) -> tuple:
+    if not mapping:
+        return ()
+    return (*mapping, *mapping.values())
+
+
+def _same_objects(a: tuple | None, b: tuple | None) -> bool:
+    return a is not None and b is not None and len(a) == len(b) and all(map(operator.is_, a, b))
+
+
+def checked_grads(
+    owner: str, plan: Plan, grads: list[torch.Tensor], kernel: bool
+) -> list[torch.Tensor]:
+    """``grads`` (of ``plan.params``) as the update takes them; sparse grads are refused.
+
+    For the kernels, grads laid out like their params (the kernels walk param, grad and state
+    memory in the same order): a grad with other strides or dtype is copied once into the
+    param's layout. The usual case is two C-level maps compared with the plan's tuples; the
+    stride map also refuses sparse layouts (compressed ones raise, COO ones report zeros).
+    """
+    if not kernel:
+        check_dense_grads(owner, plan, grads)
+        return grads
+    try:
+        strides = tuple(map(_stride, grads))
+    except RuntimeError:  # sparse compressed layouts have no strides
+        strides = None
+    if strides == plan.strides and tuple(map(_dtype, grads)) == plan.dtypes:
+        if plan.zero_strided:
+            zs = plan.zero_strided
+            check_dense_grads(owner, plan, [grads[i] for i in zs], zs)
+        return grads
+    check_dense_grads(owner, plan, grads)
+    out = []
+    for p, g in zip(plan.params, grads):
+        same = g.dtype == p.dtype and all(
+            a == b for a, b, n in zip(g.stride(), p.stride(), p.shape) if n > 1
+        )
+        out.append(g if same else torch.empty_like(p).copy_(g))
+    return out
+
+
+def kernel_dtypes(tensors: Iterable[torch.Tensor]) -> bool:
+    return set(map(_dtype, tensors)) <= set(KERNEL_DTYPES)
+
+
+# --------------------------------------------------------------------------------------------
 # The base class
 # --------------------------------------------------------------------------------------------
 
@@ -221,6 +370,11 @@ class FusedOptimizer(torch.optim.Optimizer):
       updated fp32 master into its fp16/bf16 model param in the same kernel pass (on the
       foreach path, with one copy after the update).
     - ``set_grad_none``: what ``zero_grad()`` does by default (apex's argument).
+    - Per group, the step's lists are a cached :class:`Plan` (see there for when it is rebuilt).
+
+    Subclasses implement ``_check_group``, ``_plan_lists`` (create missing state, return the
+    state lists) and ``_step_group(plan, grads)``; ``_plan_key`` names group settings the lists
+    depend on.
     """
 
     _aiak_supports_copy_back = True
@@ -239,9 +393,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         index = len(self.param_groups) - 1
         check_params(type(self).__name__, self.param_groups[index], index)
         self._check_group(self.param_groups[index], index)
+        self._drop_plans()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
+        self._drop_plans()
         for group in self.param_groups:
             self._upgrade_group(group)
 
@@ -252,6 +408,7 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
+        self._drop_plans()
         # torch's non-fused optimizers keep `step` on the CPU; ours live on the param's device.
         for p, st in self.state.items():
             step = st.get("step")
@@ -271,37 +428,78 @@ class FusedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._step(self._groups_with_grads())
+        self._step(self._plans())
         return loss
 
-    def _groups_with_grads(self) -> list[tuple[dict, list[torch.Tensor]]]:
-        out = []
-        for group in self.param_groups:
-            params = params_with_grad(type(self).__name__, group)
-            if params:
-                out.append((group, params))
-        return out
+    # ---- plans ------------------------------------------------------------------------------
 
-    def _step(self, groups: list[tuple[dict, list[torch.Tensor]]]) -> None:
-        for group, params in groups:
-            self._step_group(group, params)
+    def _drop_plans(self) -> None:
+        # Not in __init__: unpickled or deep-copied optimizers (torch's __getstate__ keeps only
+        # defaults, state and param_groups) come back without them, and rebuild.
+        self.__dict__.pop("_aiak_plans", None)
+        self.__dict__.pop("_aiak_plan_sig", None)
 
-    def _step_group(self, group: dict, params: list[torch.Tensor]) -> None:
+    def _plan_key(self, group: dict) -> Any:
+        """Group settings the plan's lists depend on (compared with ``==`` per step)."""
+        return None
+
+    def _plan_lists(self, group: dict, params: list[torch.Tensor]) -> dict[str, list]:
+        """Create missing state for ``params``; return the state lists the update takes."""
         raise NotImplementedError
 
+    def _plans(self) -> list[tuple[Plan, list[torch.Tensor]]]:
+        """(plan, grads of ``plan.params``) per group with any grad, in group order."""
+        plans: list[Plan | None] = self.__dict__.get("_aiak_plans") or []
+        mapping = getattr(self, "_aiak_copy_back", None)
+        sig = self.__dict__.get("_aiak_plan_sig")
+        if not (
+            sig is not None
+            and sig[0] is self.state
+            and sig[2] is mapping
+            and _same_objects(sig[1], _state_tensors(self.state))
+            and _same_objects(sig[3], _copy_back_items(mapping))
+        ):
+            plans = []
+        built = False
+        out = []
+        for i, group in enumerate(self.param_groups):
+            grads = list(map(_grad, group["params"]))
+            mask = tuple(map(operator.is_not, grads, itertools.repeat(None)))
+            key = self._plan_key(group)
+            plan = plans[i] if i < len(plans) else None
+            if plan is None or not plan.valid_for(group, mask, key):
+                plan = self._build_plan(group, grads, mask, key)
+                if i < len(plans):  # plans has an entry for every earlier group
+                    plans[i] = plan
+                else:
+                    plans.append(plan)
+                built = True
+            if not plan.params:
+                continue
+            out.append((plan, list(itertools.compress(grads, mask)) if plan.partial else grads))
+        if built or len(plans) != len(self.param_groups):
+            del plans[len(self.param_groups) :]
+            self.__dict__["_aiak_plans"] = plans
+            self.__dict__["_aiak_plan_sig"] = (
+                self.state,
+                _state_tensors(self.state),
+                mapping,
+                _copy_back_items(mapping),
+            )
+        return out
 
-def kernel_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Grads laid out like their params (the kernels walk param, grad and state memory in the
-    same order). A grad with other strides or dtype is copied once into the param's layout."""
-    grads = [p.grad for p in params]
-    if tuple(map(torch.Tensor.stride, grads)) == tuple(map(torch.Tensor.stride, params)) and {
-        (g.dtype is p.dtype) for g, p in zip(grads, params)
-    } == {True}:
-        return grads
-    out = []
-    for p, g in zip(params, grads):
-        same = g.dtype == p.dtype and all(
-            a == b for a, b, n in zip(g.stride(), p.stride(), p.shape) if n > 1
-        )
-        out.append(g if same else torch.empty_like(p).copy_(g))
-    return out
+    def _build_plan(self, group: dict, grads: list, mask: tuple[bool, ...], key: Any) -> Plan:
+        plan = Plan(group, mask, key)
+        if plan.params:
+            # Sparse grads are refused before any state is created (as torch does).
+            check_dense_grads(type(self).__name__, plan, list(itertools.compress(grads, mask)))
+            plan.lists = self._plan_lists(group, plan.params)
+            plan.copy_to = copy_back_targets(self, plan.params)
+        return plan
+
+    def _step(self, plans: list[tuple[Plan, list[torch.Tensor]]]) -> None:
+        for plan, grads in plans:
+            self._step_group(plan, grads)
+
+    def _step_group(self, plan: Plan, grads: list[torch.Tensor]) -> None:
+        raise NotImplementedError

@@ -68,8 +68,12 @@ class FusedAdam(C.FusedOptimizer):
             group["adam_w_mode"] = bool(group["decoupled_weight_decay"])
         super()._upgrade_group(group)
 
-    def _step_group(self, group: dict, params: list[torch.Tensor]) -> None:
-        amsgrad = group["amsgrad"]
+    def _plan_key(self, group: dict) -> Any:
+        return bool(group["amsgrad"])
+
+    def _plan_lists(self, group: dict, params: list[torch.Tensor]) -> dict[str, list]:
+        amsgrad = bool(group["amsgrad"])
+        states = []
         for p in params:
             st = self.state[p]
             if not st:
@@ -78,8 +82,16 @@ class FusedAdam(C.FusedOptimizer):
                 st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             if amsgrad and "max_exp_avg_sq" not in st:
                 st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        states = [self.state[p] for p in params]
-        device = params[0].device
+            states.append(st)
+        return {
+            "exp_avgs": [s["exp_avg"] for s in states],
+            "exp_avg_sqs": [s["exp_avg_sq"] for s in states],
+            "max_exp_avg_sqs": [s["max_exp_avg_sq"] for s in states] if amsgrad else [],
+            "state_steps": [s["step"] for s in states],
+        }
+
+    def _step_group(self, plan: C.Plan, grads: list[torch.Tensor]) -> None:
+        group, device = plan.group, plan.device
         lr, lr_tensor = C.lr_args(group["lr"], device)
         grad_scale, found_inf = C.amp_args(self, device)
         beta1, beta2 = (float(b) for b in group["betas"])
@@ -91,21 +103,22 @@ class FusedAdam(C.FusedOptimizer):
             "eps": float(group["eps"]),
             "weight_decay": float(group["weight_decay"]),
             "adam_w_mode": bool(group["adam_w_mode"]),
-            "amsgrad": bool(amsgrad),
+            "amsgrad": bool(group["amsgrad"]),
             "maximize": bool(group["maximize"]),
             "bias_correction": bool(group["bias_correction"]),
             "grad_scale": grad_scale,
             "found_inf": found_inf,
         }
-        kernel = C.use_ops(device) and all(p.dtype in C.KERNEL_DTYPES for p in params)
+        kernel = plan.kernel_dtypes and C.use_ops(device)
+        s = plan.lists
         lists = (
-            params,
-            C.kernel_grads(params) if kernel else [p.grad for p in params],
-            [s["exp_avg"] for s in states],
-            [s["exp_avg_sq"] for s in states],
-            [s["max_exp_avg_sq"] for s in states] if amsgrad else [],
-            [s["step"] for s in states],
-            C.copy_back_targets(self, params),
+            plan.params,
+            C.checked_grads(type(self).__name__, plan, grads, kernel),
+            s["exp_avgs"],
+            s["exp_avg_sqs"],
+            s["max_exp_avg_sqs"],
+            s["state_steps"],
+            plan.copy_to,
         )
         if kernel:
             C.op("fused_adam_")(*lists, *kw.values())

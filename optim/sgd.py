@@ -53,44 +53,74 @@ class FusedSGD(C.FusedOptimizer):
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
             raise ValueError(f"{owner}: nesterov needs momentum > 0 and dampening 0")
 
-    def _step_group(self, group: dict, params: list[torch.Tensor]) -> None:
-        sgd_step(self, group, params, scales=None)
+    def _plan_key(self, group: dict) -> Any:
+        return sgd_plan_key(group)
+
+    def _plan_lists(self, group: dict, params: list[torch.Tensor]) -> dict[str, list]:
+        return sgd_plan_lists(self, group, params)
+
+    def _step_group(self, plan: C.Plan, grads: list[torch.Tensor]) -> None:
+        sgd_step(self, plan, grads, scales=None)
+
+
+def sgd_plan_key(group: dict) -> Any:
+    return float(group.get("momentum", 0.0)) != 0
+
+
+def sgd_plan_lists(
+    opt: C.FusedOptimizer, group: dict, params: list[torch.Tensor]
+) -> dict[str, list]:
+    """The momentum buffers (created, zero, for params on their first step) and which params
+    are on their first step: ``first`` holds their positions (empty in the steady state)."""
+    if not sgd_plan_key(group):
+        return {"momentum_buffers": [], "first": []}
+    states = [opt.state[p] for p in params]
+    first = [i for i, st in enumerate(states) if "momentum_buffer" not in st]
+    for i in first:
+        states[i]["momentum_buffer"] = torch.zeros_like(
+            params[i], memory_format=torch.preserve_format
+        )
+    return {"momentum_buffers": [st["momentum_buffer"] for st in states], "first": first}
 
 
 def sgd_step(
     opt: C.FusedOptimizer,
-    group: dict,
-    params: list[torch.Tensor],
+    plan: C.Plan,
+    grads: list[torch.Tensor],
     scales: torch.Tensor | None,
+    checked: bool = False,
 ) -> None:
-    """One SGD update of ``params`` (LARS passes its per-tensor trust ratios as ``scales``).
+    """One SGD update of ``plan.params`` (LARS passes its per-tensor trust ratios as ``scales``,
+    and its grads through ``C.checked_grads`` already: ``checked``).
 
     Params whose momentum buffer exists and those on their first step are two calls, as the
-    first step sets the buffer instead of averaging into it.
+    first step sets the buffer instead of averaging into it; a plan with first-step params is
+    used once (the next step rebuilds it, all buffers existing).
     """
+    group, device, params = plan.group, plan.device, plan.params
     momentum = float(group.get("momentum", 0.0))
-    device = params[0].device
     lr, lr_tensor = C.lr_args(group["lr"], device)
     grad_scale, found_inf = C.amp_args(opt, device)
-    kernel = C.use_ops(device) and all(p.dtype in C.KERNEL_DTYPES for p in params)
-    first = [momentum != 0 and "momentum_buffer" not in opt.state[p] for p in params]
-    for p, f in zip(params, first):
-        if f:
-            opt.state[p]["momentum_buffer"] = torch.zeros_like(
-                p, memory_format=torch.preserve_format
-            )
-    for is_first in (False, True):
-        idx = [i for i, f in enumerate(first) if f == is_first]
-        if not idx:
+    kernel = plan.kernel_dtypes and C.use_ops(device)
+    if not checked:
+        grads = C.checked_grads(type(opt).__name__, plan, grads, kernel)
+    bufs, copy_to = plan.lists["momentum_buffers"], plan.copy_to
+    first = plan.lists["first"]
+    if first:
+        plan.stale = True
+        is_first = set(first)
+        rest = [i for i in range(len(params)) if i not in is_first]
+        parts = [(False, rest), (True, first)]
+    else:
+        parts = [(False, None)]
+    for step_is_first, idx in parts:
+        if idx is not None and not idx:
             continue
-        ps = [params[i] for i in idx]
-        sub_scales = None if scales is None else scales[idx] if len(idx) < len(params) else scales
-        lists = (
-            ps,
-            C.kernel_grads(ps) if kernel else [p.grad for p in ps],
-            [opt.state[p]["momentum_buffer"] for p in ps] if momentum != 0 else [],
-            C.copy_back_targets(opt, ps),
-        )
+        lists = (params, grads, bufs, copy_to)
+        sub_scales = scales
+        if idx is not None:
+            lists = tuple([t[i] for i in idx] if t else [] for t in lists)
+            sub_scales = None if scales is None else scales[idx]
         kw = {
             "lr": lr,
             "lr_tensor": lr_tensor,
@@ -99,7 +129,7 @@ def sgd_step(
             "weight_decay": float(group["weight_decay"]),
             "nesterov": bool(group.get("nesterov", False)),
             "maximize": bool(group.get("maximize", False)),
-            "is_first_step": is_first,
+            "is_first_step": step_is_first,
             "scales": sub_scales,
             "grad_scale": grad_scale,
             "found_inf": found_inf,

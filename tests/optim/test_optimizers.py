@@ -273,7 +273,7 @@ def test_lars_matches_float64_reference(exclude_1d, wd, momentum, path, monkeypa
     assert rel_l2([x - p for x, p in zip(a, ps)], [r - p for r, p in zip(ref, ps)]) <= 1e-4
 
 
-def _lars_norms_reference(params, grads, device):
+def _lars_norms_reference(params, grads, device, *_):
     # On CPU the aiak op path for the norms is the lead's reference: same as the foreach norms.
     per = torch.ops.aiak.multi_tensor_l2norm(params + grads, True)[1]
     return per[: len(params)], per[len(params) :]
