@@ -69,6 +69,9 @@ def _modes() -> dict[str, tuple]:
     }
 
 
+_PEER = {"aiak fp16 (scale 10)": "torch fp16", "aiak bf16": "torch bf16"}
+
+
 def _measure(register, args, device, x, y) -> tuple[torch.Tensor, float]:
     """One step's averaged gradients, then the median step time, for one registration."""
     ddp = torch.nn.parallel.DistributedDataParallel(_model(args.layers, device))
@@ -123,18 +126,25 @@ def main() -> int:
         modes = {k: v for k, v in modes.items() if k in args.modes.split(",")}
     reference = None
     rows = []
+    errors: dict[str, float] = {}
     for name, (register, tol) in modes.items():
         grads, ms = _measure(register, args, device, x, y)
         if reference is None:
             reference = grads
         err = ((grads - reference).norm() / reference.norm()).item()
+        errors[name] = err
+        # In a deep stack fp16 gradients underflow whatever the hook does (12 x Linear(4096):
+        # torch's own fp16 hook is off by 7e-2); the bound is then torch's same-dtype error,
+        # which ours must not exceed (flash-attn's rule).
+        if tol is not None and _PEER.get(name) in errors:
+            tol = max(tol, errors[_PEER[name]])
         ok = "" if tol is None else ("ok" if err <= tol else "FAIL")
         rows.append(
             {
                 "mode": name,
                 "step_ms": ms,
                 "rel_err_step1": f"{err:.2e}",
-                "tol": tol or "",
+                "tol": f"{tol:.1e}" if tol else "",
                 "check": ok,
                 "world": world,
                 "layers": args.layers,
