@@ -46,8 +46,10 @@ def op(name: str) -> Any:
     list through the dispatcher; otherwise the op itself), or ``torch.ops.aiak.<name>`` when
     neither is there. The dispatcher costs ~37 µs per Tensor[161] argument on a 2-core EPYC
     host (benchmarks/profile_optim_host.py), about twice that on the H100 machine's."""
-    import aiak.ops
-
+    try:  # only called after _ops_loaded(); guarded all the same (optim/ may travel alone)
+        import aiak.ops
+    except ImportError:
+        return getattr(torch.ops.aiak, name)
     module = getattr(aiak.ops, "fused_optim", None)
     found = getattr(module, name, None) or getattr(aiak.ops, name, None)
     return found or getattr(torch.ops.aiak, name)
