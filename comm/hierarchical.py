@@ -98,7 +98,7 @@ class _Hierarchical(CommHook):
             shard = buf.new_empty(shard_len)
             self.inner.decode_(state.inner, wire_shard, shard).div_(g)  # intra sum -> mean
             fut = self.outer.reduce(state.outer, _wire.shard_views(bucket, start, shard), inter)
-            return _wire.after(fut, lambda _: gather_stage(shard), buf)
+            return _wire.after(fut, lambda _: gather_stage(shard), buf, chain=True)
 
         def gather_stage(shard: torch.Tensor) -> torch.futures.Future:
             part = self.inner.encode(state.inner, shard, shard_len)
@@ -107,7 +107,7 @@ class _Hierarchical(CommHook):
             return _wire.after(fut, lambda _: self.inner.decode_(state.inner, full, buf), buf)
 
         fut = _wire.reduce_scatter(wire_shard, wire, intra, state.inner.traffic)
-        return _wire.after(fut, outer_stage, buf)
+        return _wire.after(fut, outer_stage, buf, chain=True)
 
 
 def hierarchical(

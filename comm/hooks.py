@@ -9,7 +9,6 @@ whole tree's state is one picklable object. Process groups are never pickled: a 
 sets itself up again (cached groups, no new ones) on its first bucket.
 """
 
-import contextlib
 import logging
 import math
 import warnings
@@ -38,16 +37,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("aiak.comm")
-
-# The one sibling comm may use, through torch.ops only (ARCHITECTURE.md rule 1): on CUDA the
-# fp16/bf16 cast with Perseus's gradient scale is one pass of aiak::multi_tensor_scale_.
-with contextlib.suppress(ImportError):
-    import aiak.ops
-
-
-def _fused_cast_available(t: torch.Tensor) -> bool:
-    # On CPU two torch ops are as fast as the op's reference; the kernel only pays on CUDA.
-    return t.is_cuda and hasattr(torch.ops.aiak, "multi_tensor_scale_")
 
 
 class HookState:
@@ -175,13 +164,7 @@ class CommHook:
                 )
             state._new_step()
             state.step += 1
-        sub = _wire.SubBucket(
-            bucket.buffer(),
-            bucket.gradients(),
-            bucket,
-            list(bucket.parameters()),
-            step=state.step - 1,
-        )
+        sub = _wire.SubBucket(bucket.buffer(), None, bucket, step=state.step - 1)
         prev = state._tail if bucket.index() > 0 else None
         if not state._serial or prev is None or prev.done():
             fut = self.reduce(state, sub, state._link)
@@ -190,6 +173,7 @@ class CommHook:
                 prev,
                 _wire.resume(lambda: self.reduce(state, sub, state._link), sub.buffer()),
                 sub.buffer(),
+                chain=True,
             )
         state._tail = fut
         return fut
@@ -286,43 +270,63 @@ def allreduce() -> CommHook:
 
 
 class CastState(HookState):
-    __slots__ = ("dtype", "inner", "scale")
+    __slots__ = ("_unscale", "dtype", "inner", "scale")
 
     def __init__(self, dtype: torch.dtype, scale: float, inner: HookState) -> None:
         super().__init__()
         self.dtype = dtype
         self.scale = scale  # Perseus's gradient scale: x*scale before the cast, /scale after
         self.inner = inner
+        self._unscale: dict[torch.device, torch.Tensor] = {}
 
     def children(self) -> tuple[HookState, ...]:
         return (self.inner,)
 
+    def unscale_factor(self, device: torch.device) -> torch.Tensor:
+        """``1/scale`` as a one-element fp32 tensor, made once per device (see ``_Cast``)."""
+        t = self._unscale.get(device)
+        if t is None:
+            t = self._unscale[device] = torch.full((1,), 1.0 / self.scale, device=device)
+        return t
+
 
 class _Cast(_Wrapper):
+    """Cast to ``dtype`` for the wire and back, with Perseus's gradient scale.
+
+    Each direction is one torch kernel: on CUDA a TensorIterator op converts dtypes inside the
+    kernel when ``out`` has another dtype. Encode, ``mul(src_fp32, scale, out=wire)``, computes
+    in fp32 and rounds once. Decode must also compute in fp32: with a Python scalar the
+    product of an fp16 tensor is fp16 (rounded, small values flushed: what ``scale`` exists to
+    avoid) before it is widened, so the factor is a one-element fp32 *tensor*, which makes the
+    op's dtype fp32. Why not ``aiak::multi_tensor_scale_``: its device tables are keyed by
+    addresses, and a fresh wire buffer per bucket missed the cache on every call (22 table
+    builds per step, 1261 vs 432 µs of host time per bucket on 2 x H200, DDP step +17.5 ms vs
+    +5.0 ms; benchmarks/profile_comm_nccl.py, 2026-11-23).
+    """
+
     __slots__ = ()
 
-    # On CUDA with aiak.ops loaded, each direction is one pass of aiak::multi_tensor_scale_
-    # (cast and scale, or divide and cast back, fused); otherwise plain torch ops (decode then
-    # takes two passes: copy, divide).
     def encode(self, state: CastState, t: torch.Tensor, length: int) -> torch.Tensor:
         wire = torch.empty(length, dtype=state.dtype, device=t.device)
         n = t.numel()
-        if _fused_cast_available(t):
-            _scale_into(t.reshape(-1), wire[:n], state.scale)
-        elif state.scale == 1.0:
-            wire[:n].copy_(t)
+        body = wire if length == n else wire[:n]  # each slice is host time (per bucket)
+        if state.scale == 1.0:
+            body.copy_(t.view(-1) if t.is_contiguous() else t.reshape(-1))
         else:
-            torch.mul(t, state.scale, out=wire[:n])
-        wire[n:].zero_()
+            torch.mul(t.view(-1) if t.is_contiguous() else t.reshape(-1), state.scale, out=body)
+        if length > n:
+            wire[n:].zero_()
         return wire
 
     def decode_(self, state: CastState, wire: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        if _fused_cast_available(out) and out.is_contiguous():
-            _scale_into(wire[: out.numel()], out.view(-1), 1.0 / state.scale)
-            return out
-        out.copy_(wire[: out.numel()])
-        if state.scale != 1.0:
-            out.div_(state.scale)
+        n = out.numel()
+        src = (wire if wire.numel() == n else wire[:n]).view(out.shape)
+        if state.scale == 1.0:
+            out.copy_(src)
+        elif out.is_contiguous():
+            torch.mul(src, state.unscale_factor(out.device), out=out)
+        else:  # not produced by our hooks (buffers are flat); keep it simple and correct
+            out.copy_(src).mul_(1.0 / state.scale)
         return out
 
     def reduce(self, state: CastState, bucket: Any, link: Link) -> torch.futures.Future:
@@ -332,12 +336,6 @@ class _Cast(_Wrapper):
         wire = self.encode(state, buf, buf.numel())
         fut = self.inner.reduce(state.inner, _wire.rebase(bucket, wire), link)
         return _wire.after(fut, lambda _: self.decode_(state, wire, buf), buf)
-
-
-def _scale_into(src: torch.Tensor, dst: torch.Tensor, scale: float) -> None:
-    """dst = src * scale in one kernel (dtype converted). The non-finite flag the op also
-    computes is dropped here: ``nan_check`` is the hook for that."""
-    aiak.ops.multi_tensor_scale_([src], [dst], scale)  # eager fast path of the op
 
 
 def _cast_hook(fn: str, dtype: torch.dtype, inner: CommHook | None, scale: float) -> CommHook:

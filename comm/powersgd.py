@@ -141,7 +141,8 @@ class _PowerSGD(CommHook):
                 state.q[idx] = qmem
             return buf
 
-        return _wire.after(_wire.all_reduce_mean(payload, link, state.traffic), compute_qs, buf)
+        fut = _wire.all_reduce_mean(payload, link, state.traffic)
+        return _wire.after(fut, compute_qs, buf, chain=True)
 
 
 def powersgd(

@@ -13,6 +13,7 @@ import os
 import pickle
 import sys
 import time
+import traceback
 import warnings
 from pathlib import Path
 
@@ -264,7 +265,10 @@ def suite_main(results: dict) -> None:
         try:
             check(results)
         except Exception as exc:  # recorded; the pytest side fails with it
-            results.setdefault("errors", {})[check.__name__] = f"{type(exc).__name__}: {exc}"
+            # The last frames say where: enough to debug from the pytest report alone.
+            where = "".join(traceback.format_exception(exc)[-4:])
+            msg = f"{type(exc).__name__}: {exc}\n{where}"
+            results.setdefault("errors", {})[check.__name__] = msg
         results.setdefault("seconds", {})[check.__name__] = round(time.perf_counter() - t, 2)
 
 
