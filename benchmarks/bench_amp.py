@@ -6,7 +6,9 @@ one process on the same synthetic batch, CUDA events, median of the timed steps)
     python benchmarks/bench_amp.py --device cuda --steps 200
 
 Modes: ``fp32``; ``o1`` (autocast fp16 + GradScaler); ``o2`` (aiak.amp.decorate + GradScaler);
-``o2-fused`` (o2 with a fused optimizer from aiak.optim, when it has one). For each: median /
+``o2-fused`` (o2 with a fused optimizer from aiak.optim, when it has one); on request
+``o2-patch`` (o2 with ``patch_torch_functions=True``: the user's autocast stays on inside the
+half model, as aiak did before 2026-11-23). For each: median /
 p20 / p80 ms per step, images/s, speed-up vs o1, peak memory, mean loss of the last 10 of the
 ``--steps`` steps and its relative gap to o1's, and for o2 modes the time O2 adds around
 forward+backward (grad copy + unscale + step + copy back, CUDA events). One CSV row per
@@ -36,7 +38,7 @@ from torch.nn import functional as F
 import aiak.amp as amp
 
 RESULTS = Path(__file__).parent / "results" / "amp.csv"
-MODES = ("fp32", "o1", "o2", "o2-fused")
+MODES = ("fp32", "o1", "o2", "o2-fused")  # and "o2-patch" when asked for
 FIELDS = [
     "timestamp",
     "device",
@@ -148,7 +150,8 @@ def run_mode(
     optimizer = opt_cls(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
     o2 = mode.startswith("o2")
     if o2:
-        model, optimizer = amp.decorate(model, optimizer, dtype=dtype)
+        patch = mode == "o2-patch"
+        model, optimizer = amp.decorate(model, optimizer, dtype=dtype, patch_torch_functions=patch)
         state = amp.state_of(optimizer)
         note = note or f"backend={state.backend} copies={state.copy_backend}"
     scaler = amp.GradScaler(device.type, enabled=mode != "fp32" and dtype == torch.float16)

@@ -162,6 +162,12 @@ def test_wrong_types_are_refused() -> None:
         amp.decorate(model, object())
     with pytest.raises(TypeError, match=r"expected nn\.Module"):
         amp.decorate(object(), torch.optim.SGD(model.parameters(), lr=0.1))
+    for bad in (1, None, "yes"):
+        with pytest.raises(TypeError, match="patch_torch_functions must be a bool"):
+            amp.decorate(
+                model, torch.optim.SGD(model.parameters(), lr=0.1), patch_torch_functions=bad
+            )
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # refused before any cast
 
 
 def test_parameters_of_an_undecorated_optimizer_is_refused() -> None:
