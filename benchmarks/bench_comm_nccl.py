@@ -5,9 +5,10 @@
 Model: ``layers`` x Linear(4096, 4096), batch 32 per rank, fp32, DDP with default buckets.
 Every hook starts from the same weights and batch; its averaged gradients after one step are
 compared with DDP without a hook (relative L2 error), then steps are timed (synchronised,
-median), in ``--rounds`` rounds that visit every mode in turn. On one host with NVLink
-compression costs more than it saves; the figure here is the overhead each hook adds, e.g.
-fp16 (torch's hook: +4.0 ms on 2 x H200, GPU.md).
+median), in ``--rounds`` rounds that visit every mode in turn. aiak's hooks run on its worker
+thread (the default for CUDA gradients); the ``inline`` rows run them on DDP's autograd thread.
+On one host with NVLink compression costs more than it saves; the figure here is the overhead
+each hook adds, e.g. fp16 (torch's hook: +4.0 ms on 2 x H200, GPU.md).
 Rank 0 prints the table and appends rows to benchmarks/results/comm_nccl.csv.
 """
 
@@ -55,8 +56,16 @@ def _modes() -> dict[str, tuple]:
         "torch fp16": (torch_hook(default_hooks.fp16_compress_hook), None),
         "torch bf16": (torch_hook(default_hooks.bf16_compress_hook), None),
         "aiak allreduce": (lambda ddp: comm.register(ddp, comm.allreduce()), 1e-6),
+        "aiak allreduce inline": (
+            lambda ddp: comm.register(ddp, comm.allreduce(), offload=False),
+            1e-6,
+        ),
         "aiak fp16 (scale 10)": (
             lambda ddp: comm.register(ddp, comm.fp16_compress(scale=10)),
+            2e-3,
+        ),
+        "aiak fp16 inline": (
+            lambda ddp: comm.register(ddp, comm.fp16_compress(scale=10), offload=False),
             2e-3,
         ),
         "aiak bf16": (lambda ddp: comm.register(ddp, comm.bf16_compress()), 2e-2),
@@ -72,7 +81,11 @@ def _modes() -> dict[str, tuple]:
     }
 
 
-_PEER = {"aiak fp16 (scale 10)": "torch fp16", "aiak bf16": "torch bf16"}
+_PEER = {
+    "aiak fp16 (scale 10)": "torch fp16",
+    "aiak fp16 inline": "torch fp16",
+    "aiak bf16": "torch bf16",
+}
 
 
 class _Trainer:

@@ -7,7 +7,9 @@ Linear(4096) on 2 x H200: 2.3 ms of host time per backward without a hook) every
 of the hook's Python lands on the step (benchmarks/profile_comm_nccl.py measures that on NCCL).
 This isolates the hook's own Python: ``dist.all_reduce`` returns an already completed future,
 as NCCL's does (it completes at enqueue), so callbacks run inline as they do there. One
-process, no process group, no network; on CUDA the kernel launches and CUDA-aware futures are real.
+process, no process group, no network; on CUDA the kernel launches and CUDA-aware futures are
+real. Rows run the hooks inline (``offload=False``) except the last, which times what the
+autograd thread pays when the hook runs on aiak's worker thread: the enqueue.
 """
 
 from __future__ import annotations
@@ -121,13 +123,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             ("torch fp16_compress_hook", default_hooks.fp16_compress_hook),
         ):
             results[name] = _time(lambda h=hook: h(group, bucket), args.calls, sync)
-        for name, factory in (
-            ("aiak allreduce", comm.allreduce),
-            ("aiak fp16_compress(scale=10)", lambda: comm.fp16_compress(scale=10)),
-            ("aiak nan_check(allreduce)", comm.nan_check),
+        for name, factory, offload in (
+            ("aiak allreduce", comm.allreduce, False),
+            ("aiak fp16_compress(scale=10)", lambda: comm.fp16_compress(scale=10), False),
+            ("aiak nan_check(allreduce)", comm.nan_check, False),
+            ("aiak fp16, offloaded: enqueue only", lambda: comm.fp16_compress(scale=10), True),
         ):
             hook = factory()
             state = hook.state
+            state.offload = offload
             state._link, state._ready, state._serial = link, True, hook.deferring()
             _propagate_link(state, link)
             results[name] = _time(lambda h=hook, s=state: h(s, bucket), args.calls, sync)

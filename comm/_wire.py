@@ -114,6 +114,36 @@ def new_future(t: torch.Tensor) -> Future:
     return Future(devices=[t.device]) if t.device.type == "cuda" else Future()
 
 
+class Pending:
+    """A future to hand to DDP, completed later with a value or an error.
+
+    torch's ``Future.set_exception`` stores the exception as the future's *value*; DDP's C++
+    wait then fails with "Unable to cast <exception> to Tensor", losing the type. Here the
+    future DDP holds is ``then`` of a trigger: an error is raised inside that callback, which
+    makes it a real error of the future (DDP's backward re-raises it, type and message).
+    """
+
+    __slots__ = ("_error", "_like", "_trigger", "future")
+
+    def __init__(self, like: torch.Tensor) -> None:
+        self._like = like
+        self._error: BaseException | None = None
+        self._trigger = new_future(like)
+        self.future = self._trigger.then(self._unwrap)
+
+    def _unwrap(self, f: Future) -> Any:
+        if self._error is not None:
+            raise self._error
+        return f.value()
+
+    def set_result(self, value: Any) -> None:
+        self._trigger.set_result(value)
+
+    def set_exception(self, exc: BaseException) -> None:
+        self._error = exc
+        self._trigger.set_result(self._like)
+
+
 def after(
     fut: Future,
     fn: Callable[[Any], Any],
@@ -143,7 +173,7 @@ def after(
 
         return fut.then(then)
 
-    out = new_future(like)
+    out = Pending(like)
 
     def forward(g: Future) -> None:
         try:
@@ -169,7 +199,7 @@ def after(
             out.set_result(result)
 
     fut.add_done_callback(callback)
-    return out
+    return out.future
 
 
 def done(t: torch.Tensor) -> Future:
@@ -350,6 +380,17 @@ def shard_views(bucket: Any, start: int, shard: torch.Tensor) -> SubBucket:
         off += n
     piece(max(off, start), end)
     return SubBucket(shard, views, bucket)
+
+
+def keep(*tensors: torch.Tensor) -> None:
+    """Tell the caching allocator that ``tensors`` are used on the current stream.
+
+    Callbacks run on side streams; a tensor made on the hook's stream, read in a callback and
+    then freed would otherwise be handed to the next allocation on its own stream (the next
+    bucket's wire buffer, say) while the callback's kernel may not have read it yet."""
+    for t in tensors:
+        if t.is_cuda:
+            t.record_stream(torch.cuda.current_stream(t.device))
 
 
 def resume(fn: Callable[[], Any], t: torch.Tensor) -> Callable[[Any], Any]:

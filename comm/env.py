@@ -206,11 +206,15 @@ def register(
     hook: CommHook | None = None,
     state: Any = None,
     environ: Mapping[str, str] | None = None,
+    offload: bool | None = None,
 ) -> CommHook | None:
     """Register ``hook`` (default: :func:`from_env`) on ``ddp_model``; returns it.
 
     Sets up groups before training (a collective: call it on every rank) and gives the hook
     the parameter names for its error messages. ``state`` restores a checkpointed state.
+    ``offload``: run the hook's Python on aiak's worker thread instead of DDP's autograd
+    thread; ``None`` (default) does so for CUDA gradients, where a host-bound backward pays
+    for every microsecond of it. Errors then reach DDP's ``backward()`` through the future.
     DDP fixes its bucket size at construction, so with ``PERSEUS_ALLREDUCE_FUSION`` set the
     model must have been built with it (see :func:`ddp`); otherwise this raises.
     """
@@ -231,6 +235,10 @@ def register(
     if not isinstance(hook, CommHook):
         raise TypeError(f"register: hook must be an aiak.comm hook, got {type(hook).__name__}")
     state = hook.state if state is None else state
+    if offload is not None:
+        if not isinstance(offload, bool):
+            raise TypeError(f"register: offload must be a bool or None, got {offload!r}")
+        state.offload = offload
     names = {p: name for name, p in ddp_model.module.named_parameters()}
     hook.setup(state, ddp_model.process_group, names)
     ddp_model.register_comm_hook(state, hook)

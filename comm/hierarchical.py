@@ -96,15 +96,22 @@ class _Hierarchical(CommHook):
 
         def outer_stage(_: Any) -> torch.futures.Future:
             shard = buf.new_empty(shard_len)
+            _wire.keep(wire_shard)
             self.inner.decode_(state.inner, wire_shard, shard).div_(g)  # intra sum -> mean
             fut = self.outer.reduce(state.outer, _wire.shard_views(bucket, start, shard), inter)
             return _wire.after(fut, lambda _: gather_stage(shard), buf, chain=True)
 
         def gather_stage(shard: torch.Tensor) -> torch.futures.Future:
+            _wire.keep(shard)
             part = self.inner.encode(state.inner, shard, shard_len)
             full = wire if wire.data_ptr() != buf.data_ptr() else buf
             fut = _wire.all_gather(full, part, intra, state.inner.traffic)
-            return _wire.after(fut, lambda _: self.inner.decode_(state.inner, full, buf), buf)
+
+            def decode(_: Any) -> torch.Tensor:
+                _wire.keep(full)
+                return self.inner.decode_(state.inner, full, buf)
+
+            return _wire.after(fut, decode, buf)
 
         fut = _wire.reduce_scatter(wire_shard, wire, intra, state.inner.traffic)
         return _wire.after(fut, outer_stage, buf, chain=True)

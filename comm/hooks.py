@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _wire
+from . import _offload, _wire
 from ._wire import Link, Traffic
 from .topology import Topology, topology
 
@@ -49,6 +49,7 @@ class HookState:
         "_serial",
         "_tail",
         "log_every",
+        "offload",
         "process_group",
         "step",
         "traffic",
@@ -58,6 +59,9 @@ class HookState:
         # set by the user / factories
         self.process_group: Any = None  # None: the default (world) group
         self.log_every = 0  # log this hook tree's bytes every N steps (0: never)
+        # Run the hook's Python on aiak's worker thread, off DDP's autograd thread (_offload.py)?
+        # None: for CUDA buckets (where the backward is often host-bound), not for CPU ones.
+        self.offload: bool | None = None
         # statistics
         self.step = 0
         self.traffic = Traffic()
@@ -101,6 +105,7 @@ class HookState:
             if n.startswith("_") or n == "process_group":
                 setattr(self, n, None)
         self._names, self._ready, self._serial = {}, False, False
+        self.offload = None  # states pickled before this setting existed
         for n, v in d.items():
             setattr(self, n, v)
 
@@ -151,6 +156,13 @@ class CommHook:
     def __call__(
         self, state: HookState, bucket: dist.GradBucket
     ) -> torch.futures.Future[torch.Tensor]:
+        offload = state.offload
+        if offload or (offload is None and bucket.buffer().is_cuda):
+            return _offload.submit(lambda b: self.run(state, b), bucket)
+        return self.run(state, bucket)
+
+    def run(self, state: HookState, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        """The hook itself, on the calling thread (``__call__`` may hand it to the worker)."""
         if not state._ready:
             self.setup(state)
         if bucket.index() == 0:
@@ -335,7 +347,12 @@ class _Cast(_Wrapper):
             return self.inner.reduce(state.inner, bucket, link)
         wire = self.encode(state, buf, buf.numel())
         fut = self.inner.reduce(state.inner, _wire.rebase(bucket, wire), link)
-        return _wire.after(fut, lambda _: self.decode_(state, wire, buf), buf)
+
+        def decode(_: Any) -> torch.Tensor:
+            _wire.keep(wire)  # read on this callback's stream, freed when we return
+            return self.decode_(state, wire, buf)
+
+        return _wire.after(fut, decode, buf)
 
 
 def _cast_hook(fn: str, dtype: torch.dtype, inner: CommHook | None, scale: float) -> CommHook:

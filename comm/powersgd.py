@@ -122,6 +122,7 @@ class _PowerSGD(CommHook):
             off += m.shape[0] * r
 
         def compute_qs(_: Any) -> torch.futures.Future:
+            _wire.keep(payload, qmem)  # read here, on this callback's stream
             o = 0
             for g in plain:
                 g.copy_(payload[o : o + g.numel()].view_as(g))
@@ -133,6 +134,7 @@ class _PowerSGD(CommHook):
             return _wire.after(_wire.all_reduce_mean(qmem, link, state.traffic), decompress, buf)
 
         def decompress(_: Any) -> torch.Tensor:
+            _wire.keep(payload, qmem, *([before] if before is not None else []))
             for (m, _r), p, q in zip(mats, ps, qs):
                 torch.matmul(p, q.t(), out=m)
             if before is not None:

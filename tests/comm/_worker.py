@@ -59,7 +59,9 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-def train(hook, data, model=None, state=None, start=0, lr=0.1, grads_at=(), rebuild=False):
+def train(
+    hook, data, model=None, state=None, start=0, lr=0.1, grads_at=(), rebuild=False, offload=None
+):
     model = make_model() if model is None else model
     ddp = DDP(model, bucket_cap_mb=CAP_MB)
     if rebuild:  # let DDP rebuild its buckets first (its 2nd forward) so indices match a restore
@@ -67,7 +69,7 @@ def train(hook, data, model=None, state=None, start=0, lr=0.1, grads_at=(), rebu
             nn.functional.mse_loss(ddp(x), y).backward()
         model.zero_grad()
     if hook is not None:
-        comm.register(ddp, hook, state=state)
+        comm.register(ddp, hook, state=state, offload=offload)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     grads, losses = {}, []
     for step in range(start, len(data)):
@@ -105,8 +107,13 @@ def check_parity(results: dict) -> None:
             comm.hierarchical(outer=comm.powersgd(**full))
         ),
     }
+    # The same trees on aiak's worker thread (the default for CUDA buckets, forced here on
+    # gloo): same results, collectives in the same order on every rank.
+    for name in ("allreduce", "fp16", "hier_fp16_outer", "nan_hier_powersgd_full"):
+        hooks[f"{name}+offload"] = hooks[name]
     for name, make in hooks.items():
-        model, g, _ = train(make(), data, grads_at=(0, 3))
+        offload = True if name.endswith("+offload") else None
+        model, g, _ = train(make(), data, grads_at=(0, 3), offload=offload)
         results[name] = {
             "grad0": rel(g[0], ref_g[0]),
             "grad3": rel(g[3], ref_g[3]),
@@ -200,6 +207,14 @@ def check_nan(results: dict) -> None:
         results["nan_raise"] = "no error"
     except Exception as exc:
         results["nan_raise"] = f"{type(exc).__name__}: {exc}"
+    # raise on the worker thread: the error reaches backward() through DDP's future
+    ddp = DDP(make_model(), bucket_cap_mb=CAP_MB)
+    comm.register(ddp, comm.nan_check(comm.hierarchical()), offload=True)
+    try:
+        nn.functional.mse_loss(ddp(x * float("nan")), y).backward()
+        results["nan_raise_offload"] = "no error"
+    except Exception as exc:
+        results["nan_raise_offload"] = f"{type(exc).__name__}: {exc}"
     # skip: only rank 1 has an inf; its share becomes zero, the others' grads are averaged
     model = make_model()
     local = copy.deepcopy(model)

@@ -49,6 +49,8 @@ TOL = {
     "hier_powersgd_full": 1e-5,
     "nan_hier_powersgd_full": 1e-5,
 }
+TOL.update({f"{k}+offload": TOL[k] for k in ("allreduce", "fp16", "hier_fp16_outer")})
+TOL["nan_hier_powersgd_full+offload"] = TOL["nan_hier_powersgd_full"]
 
 
 @pytest.mark.parametrize("name", sorted(TOL))
@@ -113,9 +115,10 @@ def test_pickle_mid_training_resumes_exactly(ranks):
         assert r["pickle_resume"] == 0.0
 
 
-def test_nan_check_raise_names_rank_and_parameters(ranks):
+@pytest.mark.parametrize("key", ["nan_raise", "nan_raise_offload"])
+def test_nan_check_raise_names_rank_and_parameters(ranks, key):
     for rank, r in ranks.items():
-        msg = r["nan_raise"]
+        msg = r[key]
         assert msg.startswith("FloatingPointError") or "FloatingPointError" in msg, msg
         assert f"rank {rank}" in msg and "'0.weight'" in msg, msg
 
