@@ -28,11 +28,23 @@ TOL = {torch.float16: 2e-2, torch.bfloat16: 5e-2}
 
 def _specs(device: torch.device) -> list[Spec]:
     dtypes = [torch.bfloat16, torch.float16]
-    return [
+    specs = [
         Spec(f"{kind}-{str(dtype).removeprefix('torch.')}", dtype, {"kind": kind}, tol=TOL[dtype])
-        for kind in ("conv-bn", "mlp")
+        for kind in ("conv-bn", "mlp", "mlp-ln")
         for dtype in dtypes
     ]
+    # patch_torch_functions=True: the user's autocast stays on inside the model (LayerNorm in
+    # fp32 on CUDA); the default runs the model pure half, as apex O2.
+    specs += [
+        Spec(
+            f"mlp-ln-{str(dtype).removeprefix('torch.')}-patch",
+            dtype,
+            {"kind": "mlp-ln", "patch": True},
+            tol=TOL[dtype],
+        )
+        for dtype in dtypes
+    ]
+    return specs
 
 
 def _model(kind: str, gen: torch.Generator) -> nn.Module:
@@ -49,12 +61,15 @@ def _model(kind: str, gen: torch.Generator) -> nn.Module:
             nn.Flatten(),
             nn.Linear(16, 10),
         )
+    if kind == "mlp-ln":
+        return nn.Sequential(nn.Linear(48, 96), nn.LayerNorm(96), nn.GELU(), nn.Linear(96, 10))
     return nn.Sequential(nn.Linear(48, 96), nn.GELU(), nn.Linear(96, 10))
 
 
 def _make_inputs(spec: Spec, device: torch.device, gen: torch.Generator) -> dict[str, Any]:
     kind = spec.params["kind"]
     shape = (32, 3, 16, 16) if kind == "conv-bn" else (32, 48)
+    patch = bool(spec.params.get("patch", False))
     x = torch.randn(shape, generator=gen)
     teacher = torch.randn(x[0].numel(), 10, generator=gen)
     y = (x.flatten(1) @ teacher).argmax(1)
@@ -64,6 +79,7 @@ def _make_inputs(spec: Spec, device: torch.device, gen: torch.Generator) -> dict
         "y": y.to(device),
         "dtype": spec.dtype,
         "device": device,
+        "patch": patch,
     }
 
 
@@ -97,7 +113,7 @@ def _candidate(inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
     model, dtype, device = inputs["model"], inputs["dtype"], inputs["device"]
     before = _flat(model.parameters())
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    model, opt = amp.decorate(model, opt, dtype=dtype)
+    model, opt = amp.decorate(model, opt, dtype=dtype, patch_torch_functions=inputs["patch"])
     scaler = amp.GradScaler(device.type, enabled=dtype == torch.float16)
     losses = []
     for _ in range(STEPS):

@@ -48,6 +48,10 @@ HOOKS: dict[str, tuple[Any, torch.dtype]] = {
         torch.float32,
     ),
 }
+# The same trees run on aiak's worker thread instead of DDP's autograd thread (the default for
+# CUDA gradients; forced here on gloo): identical collectives, in the same order.
+for _name in ("allreduce", "fp16_scale10", "nan_check_hierarchical_powersgd"):
+    HOOKS[f"{_name}+offload"] = HOOKS[_name]
 
 
 def _model(seed: int, dtype: torch.dtype) -> nn.Module:
@@ -84,7 +88,7 @@ def _rank_main(rank: int, label: str, seed: int, port: int, out: str) -> None:
     for hook in label.split(","):
         model = _model(seed, torch.float32)
         ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=CAP_MB)
-        comm.register(ddp, HOOKS[hook][0]())
+        comm.register(ddp, HOOKS[hook][0](), offload=True if hook.endswith("+offload") else None)
         x, y = _batch(seed, rank, torch.float32)
         nn.functional.mse_loss(ddp(x), y).backward()
         grads.update({f"{hook}/{k}": v for k, v in _grads(model).items()})

@@ -94,6 +94,39 @@ def test_run_case_catches_unwritten_output_and_crashes() -> None:
     assert r.passed and r.seed == 1
 
 
+def _half_case(candidate_err: float, peer_err: float, dtype: torch.dtype) -> Case:
+    """A case whose candidate and peer are off the reference by exactly the given relative
+    errors (a constant offset along the reference vector)."""
+    return Case(
+        name="t.peer",
+        specs=lambda device: [Spec("only", dtype)],
+        make_inputs=lambda spec, device, gen: {"x": torch.randn(64, generator=gen).double()},
+        reference=lambda inp: {"y": inp["x"]},
+        candidate=lambda inp: {"y": inp["x"] * (1 + candidate_err)},
+        peer=lambda inp: {"y": inp["x"] * (1 + peer_err)},
+    )
+
+
+@pytest.mark.parametrize(
+    ("dtype", "candidate_err", "peer_err", "passes"),
+    [
+        (torch.bfloat16, 0.15, 0.10, True),  # within 2x torch's own same-dtype error
+        (torch.bfloat16, 0.25, 0.10, False),  # past it
+        (torch.bfloat16, 0.01, 0.0, True),  # a perfect peer leaves the policy's 2e-2
+        (torch.bfloat16, 0.03, 0.0, False),
+        (torch.float16, 0.009, 0.005, True),
+        (torch.float32, 0.15, 0.10, False),  # fp32 specs never borrow the peer's error
+    ],
+)
+def test_peer_bound_is_twice_torchs_same_dtype_error(
+    dtype: torch.dtype, candidate_err: float, peer_err: float, passes: bool
+) -> None:
+    (r,) = run_case(_half_case(candidate_err, peer_err, dtype), torch.device("cpu"), seed=3)
+    assert r.passed is passes, r.message
+    if not passes and dtype != torch.float32 and peer_err:
+        assert "2x torch's" in r.message
+
+
 def test_register_rejects_duplicates_and_non_cases() -> None:
     case = _case("t.dup", lambda inp: {"y": inp["x"] * 2})
     register(case)
