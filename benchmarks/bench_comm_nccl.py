@@ -127,6 +127,9 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=60, help="timed steps per mode in all")
     p.add_argument("--rounds", type=int, default=6, help="interleaved rounds over the modes")
     p.add_argument("--modes", default="", help="comma-separated subset of the mode names")
+    p.add_argument(
+        "--csv", default="comm_nccl", help="append rows to results/<CSV>.csv ('' for none)"
+    )
     args = p.parse_args()
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
@@ -193,7 +196,8 @@ def main() -> int:
         from _harness import append_csv, print_table
 
         print_table(rows, ["mode", "step_ms", "overhead_ms", "rel_err_step1", "tol", "check"])
-        append_csv("comm_nccl", rows)
+        if args.csv:
+            append_csv(args.csv, rows)
     failed = any(r["check"] == "FAIL" for r in rows)
     dist.destroy_process_group()
     return 1 if failed else 0
