@@ -13,7 +13,9 @@ and prints a summary table last.
 from __future__ import annotations
 
 import argparse
+import gzip
 import os
+import shutil
 import statistics
 import time
 from collections.abc import Callable
@@ -25,6 +27,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from aiak import comm
+from aiak.comm import _offload, _wire
+from aiak.comm import hooks as comm_hooks
 
 try:
     from aiak.ops import _mta
@@ -61,6 +65,57 @@ class Counters:
     def __init__(self) -> None:
         self.host_s: list[float] = []
         self.builds = 0
+        # aiak's worker thread (offloaded hooks): per bucket, seconds queued and running
+        self.queued_s: list[float] = []
+        self.run_s: list[float] = []
+        self.phase_s: dict[str, list[float]] = {}
+
+
+PHASES = (
+    (_wire, "all_reduce_mean"),
+    (comm_hooks._Cast, "encode"),
+    (comm_hooks._Cast, "decode_"),
+)
+
+
+def _time_phases(counters: Counters) -> Callable[[], None]:
+    """Wrap the hook phases in PHASES with timers; returns the function that unwraps them."""
+    saved = [(owner, name, getattr(owner, name)) for owner, name in PHASES]
+    for owner, name, fn in saved:
+
+        def timed(*a: Any, _fn: Callable = fn, _name: str = name, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                counters.phase_s.setdefault(_name, []).append(time.perf_counter() - t)
+
+        setattr(owner, name, timed)
+
+    def undo() -> None:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+
+    return undo
+
+
+def _timing_submit(real_submit: Callable, counters: Counters) -> Callable:
+    """aiak.comm._offload.submit, timing each bucket's wait in the queue and its run on the
+    worker thread (which torch.profiler does not trace)."""
+
+    def submit(run: Callable, bucket: Any) -> torch.futures.Future:
+        t_submit = time.perf_counter()
+
+        def timed_run(b: Any) -> torch.futures.Future:
+            t_start = time.perf_counter()
+            fut = run(b)
+            counters.queued_s.append(t_start - t_submit)
+            counters.run_s.append(time.perf_counter() - t_start)
+            return fut
+
+        return real_submit(timed_run, bucket)
+
+    return submit
 
 
 def _timed(hook: Callable, counters: Counters) -> Callable:
@@ -123,6 +178,9 @@ def _run(name: str, register: Callable, args: Any, device: torch.device, x, y) -
         backward_s.append(time.perf_counter() - t0)
         opt.step()
 
+    real_submit = _offload.submit
+    _offload.submit = _timing_submit(real_submit, counters)
+    undo_phases = _time_phases(counters)
     build = _mta._build if _mta is not None else None
     if _mta is not None:
 
@@ -136,6 +194,9 @@ def _run(name: str, register: Callable, args: Any, device: torch.device, x, y) -
             step()
         _sync(device)
         counters.host_s.clear()
+        counters.queued_s.clear()
+        counters.run_s.clear()
+        counters.phase_s.clear()
         counters.builds = 0
         backward_s.clear()
         times = []
@@ -153,6 +214,13 @@ def _run(name: str, register: Callable, args: Any, device: torch.device, x, y) -
             "buckets": calls // args.steps,
             "hook_host_us_per_bucket": (sum(counters.host_s) / max(calls, 1)) * 1e6,
             "table_builds_per_step": counters.builds / args.steps,
+            "worker_queued_us": statistics.median(counters.queued_s) * 1e6
+            if counters.queued_s
+            else 0.0,
+            "worker_run_us": statistics.median(counters.run_s) * 1e6 if counters.run_s else 0.0,
+            "phases": " ".join(
+                f"{k}={statistics.median(v) * 1e6:.0f}us" for k, v in counters.phase_s.items()
+            ),
         }
         activities = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
@@ -161,6 +229,13 @@ def _run(name: str, register: Callable, args: Any, device: torch.device, x, y) -
             for _ in range(2):
                 step()
             _sync(device)
+        if dist.get_rank() == 0 and args.out and name in args.trace.split(","):
+            # Per-thread timelines (autograd thread, aiak's worker, NCCL), for chrome://tracing.
+            trace = Path(args.out) / f"trace_{name.replace(' ', '_')}.json"
+            prof.export_chrome_trace(str(trace))
+            with trace.open("rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            trace.unlink()
         events = prof.key_averages()
         stalls = {e.key: (e.count / 2, e.cpu_time_total / 2e3) for e in events if e.key in STALLS}
         row["stalls"] = "; ".join(f"{k} x{n:g} {ms:.2f}ms" for k, (n, ms) in sorted(stalls.items()))
@@ -174,6 +249,8 @@ def _run(name: str, register: Callable, args: Any, device: torch.device, x, y) -
                     f.write(events.table(sort_by="self_cuda_time_total", row_limit=25))
         return row
     finally:
+        _offload.submit = real_submit
+        undo_phases()
         if build is not None:
             _mta._build = build
         if device.type == "cuda":
@@ -186,6 +263,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--modes", default="", help="comma-separated subset of the mode names")
     p.add_argument("--out", default=os.environ.get("OUT", ""))
+    p.add_argument("--trace", default="", help="comma-separated modes to export traces of")
     args = p.parse_args()
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
@@ -208,14 +286,17 @@ def main() -> int:
     if dist.get_rank() == 0:
         base = rows[0]["step_ms"]
         print(f"{'mode':<24} {'step ms':>8} {'+ms':>6} {'bwd host':>8} {'bkts':>4} "
-              f"{'hook us/bkt':>11} {'builds':>6}  stalls (per step)")  # fmt: skip
+              f"{'hook us/bkt':>11} {'builds':>6} {'wq us':>6} {'wrun us':>7}  "
+              "stalls (per step)")  # fmt: skip
         for r in rows:
             print(
                 f"{r['mode']:<24} {r['step_ms']:8.2f} {r['step_ms'] - base:6.2f} "
                 f"{r['backward_host_ms']:8.2f} {r['buckets']:4d} "
-                f"{r['hook_host_us_per_bucket']:11.1f} {r['table_builds_per_step']:6.1f}  "
-                f"{r['stalls']}"
+                f"{r['hook_host_us_per_bucket']:11.1f} {r['table_builds_per_step']:6.1f} "
+                f"{r['worker_queued_us']:6.0f} {r['worker_run_us']:7.0f}  {r['stalls']}"
             )
+            if r["phases"]:
+                print(f"{'':<24} phases (median per call): {r['phases']}")
     dist.destroy_process_group()
     return 0
 
