@@ -121,6 +121,24 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def setup() -> tuple[torch.device, torch.Tensor, torch.Tensor]:
+    """The process group (NCCL on GPUs; on CPU a gloo smoke run at tiny sizes, which checks a
+    script and measures nothing useful) and this rank's batch."""
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    g = torch.Generator(device=device).manual_seed(1 + dist.get_rank())
+    width = 4096 if device.type == "cuda" else 256
+    x = torch.randn(32, width, device=device, generator=g)
+    y = torch.randn(32, width, device=device, generator=g)
+    return device, x, y
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=12)
@@ -131,19 +149,8 @@ def main() -> int:
         "--csv", default="comm_nccl", help="append rows to results/<CSV>.csv ('' for none)"
     )
     args = p.parse_args()
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-        dist.init_process_group("nccl", device_id=device)
-    else:  # a CPU smoke run on gloo (tiny sizes): checks the script, measures nothing useful
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
+    device, x, y = setup()
     rank, world = dist.get_rank(), dist.get_world_size()
-    g = torch.Generator(device=device).manual_seed(1 + rank)
-    width = 4096 if device.type == "cuda" else 256
-    x = torch.randn(32, width, device=device, generator=g)
-    y = torch.randn(32, width, device=device, generator=g)
 
     modes = _modes()
     if device.type != "cuda":

@@ -17,6 +17,7 @@ import gzip
 import os
 import shutil
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +30,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from aiak import comm
 from aiak.comm import _offload, _wire
 from aiak.comm import hooks as comm_hooks
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_comm_nccl import _model, _sync, setup  # the same model, set-up and sync
 
 try:
     from aiak.ops import _mta
@@ -48,17 +52,6 @@ STALLS = (
     "cudaLaunchKernel",
     "cuLaunchKernel",
 )
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _model(layers: int, device: torch.device) -> torch.nn.Module:
-    torch.manual_seed(0)
-    width = 4096 if device.type == "cuda" else 256
-    return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)]).to(device)
 
 
 class Counters:
@@ -265,18 +258,7 @@ def main() -> int:
     p.add_argument("--out", default=os.environ.get("OUT", ""))
     p.add_argument("--trace", default="", help="comma-separated modes to export traces of")
     args = p.parse_args()
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-        dist.init_process_group("nccl", device_id=device)
-    else:  # a CPU smoke run on gloo (tiny sizes): checks the script, measures nothing useful
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
-    width = 4096 if device.type == "cuda" else 256
-    g = torch.Generator(device=device).manual_seed(1 + dist.get_rank())
-    x = torch.randn(32, width, device=device, generator=g)
-    y = torch.randn(32, width, device=device, generator=g)
+    device, x, y = setup()
     modes = _modes()
     if device.type != "cuda":
         modes.pop("torch bf16")  # torch refuses its bf16 hook off NCCL
