@@ -70,12 +70,20 @@ def _modes() -> dict[str, tuple]:
         ),
         "aiak bf16": (lambda ddp: comm.register(ddp, comm.bf16_compress()), 2e-2),
         "aiak nan_check(allreduce)": (lambda ddp: comm.register(ddp, comm.nan_check()), 1e-6),
+        "aiak nan_check inline": (
+            lambda ddp: comm.register(ddp, comm.nan_check(), offload=False),
+            1e-6,
+        ),
         "torch powerSGD r4": (
             lambda ddp: ddp.register_comm_hook(psgd_state(4), powerSGD_hook.powerSGD_hook),
             None,
         ),
         "aiak powersgd r4": (
             lambda ddp: comm.register(ddp, comm.powersgd(rank=4, start_iter=2)),
+            None,
+        ),
+        "aiak powersgd r4 inline": (
+            lambda ddp: comm.register(ddp, comm.powersgd(rank=4, start_iter=2), offload=False),
             None,
         ),
     }
