@@ -1,10 +1,12 @@
 """Run hooks' Python off DDP's autograd thread: one FIFO worker thread per process.
 
 DDP calls a comm hook on the autograd thread, between launching the backward kernels of one
-layer and the next. When the backward is short on the GPU the host is the bottleneck, and the
-hook's Python (casts, the collective call, futures: 200-340 µs per bucket on the 2 x H200 host)
-is added to the step bucket after bucket: 12 x Linear(4096) steps went from 6.6 ms without a
-hook to +0.4 ms (allreduce) and +2.1 ms (fp16) with one (benchmarks/bench_comm_nccl.py).
+layer and the next. A hook that waits for the GPU on the host (``nan_check`` reads a flag per
+bucket) stalls those launches for as long as the GPU takes to reach the bucket; on the worker
+the wait costs the backward nothing (12 x Linear(4096) on 2 x H200: +1.75 ms vs +2.35 ms
+inline). For hooks that do not wait, the thread hand-offs (a GIL hand-off per torch call) cost
+more than their Python saves the autograd thread (fp16: +0.48 vs +0.26 ms), so they stay inline
+unless asked (``comm.register(..., offload=True)``); ``benchmarks/results/comm_nccl_notes.md``.
 
 With offloading, the hook only records an event on the current stream (the bucket's gradients
 are ready there) and queues the bucket; a worker thread runs the hook on a side stream that

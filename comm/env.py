@@ -213,8 +213,9 @@ def register(
     Sets up groups before training (a collective: call it on every rank) and gives the hook
     the parameter names for its error messages. ``state`` restores a checkpointed state.
     ``offload``: run the hook's Python on aiak's worker thread instead of DDP's autograd
-    thread; ``None`` (default) does so for CUDA gradients, where a host-bound backward pays
-    for every microsecond of it. Errors then reach DDP's ``backward()`` through the future.
+    thread. ``None`` (default): for CUDA gradients when the tree waits for the GPU on the host
+    (``nan_check``), whose wait would otherwise stall the backward's launches; other trees are
+    cheaper inline. Errors then reach DDP's ``backward()`` through the future.
     DDP fixes its bucket size at construction, so with ``PERSEUS_ALLREDUCE_FUSION`` set the
     model must have been built with it (see :func:`ddp`); otherwise this raises.
     """

@@ -49,6 +49,9 @@ class _Hierarchical(CommHook):
     def deferring(self) -> bool:
         return True
 
+    def syncing(self) -> bool:
+        return self.inner.syncing() or self.outer.syncing()
+
     def setup_tree(self, state: HierarchicalState, ctx: Setup) -> None:
         topo = ctx.topo
         world = tuple(range(dist.get_world_size()))
