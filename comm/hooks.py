@@ -308,16 +308,20 @@ class CastState(HookState):
         self.dtype = dtype
         self.scale = scale  # Perseus's gradient scale: x*scale before the cast, /scale after
         self.inner = inner
-        self._unscale: dict[torch.device, torch.Tensor] = {}
+        # run time, like every ``_`` field: None until first use and again after unpickling
+        self._unscale: dict[torch.device, torch.Tensor] | None = None
 
     def children(self) -> tuple[HookState, ...]:
         return (self.inner,)
 
     def unscale_factor(self, device: torch.device) -> torch.Tensor:
         """``1/scale`` as a one-element fp32 tensor, made once per device (see ``_Cast``)."""
-        t = self._unscale.get(device)
+        cache = self._unscale
+        if cache is None:
+            cache = self._unscale = {}
+        t = cache.get(device)
         if t is None:
-            t = self._unscale[device] = torch.full((1,), 1.0 / self.scale, device=device)
+            t = cache[device] = torch.full((1,), 1.0 / self.scale, device=device)
         return t
 
 
@@ -341,10 +345,11 @@ class _Cast(_Wrapper):
         wire = torch.empty(length, dtype=state.dtype, device=t.device)
         n = t.numel()
         body = wire if length == n else wire[:n]  # each slice is host time (per bucket)
+        flat = t.reshape(-1)  # a view when t is contiguous (bucket buffers are)
         if state.scale == 1.0:
-            body.copy_(t.view(-1) if t.is_contiguous() else t.reshape(-1))
+            body.copy_(flat)
         else:
-            torch.mul(t.view(-1) if t.is_contiguous() else t.reshape(-1), state.scale, out=body)
+            torch.mul(flat, state.scale, out=body)
         if length > n:
             wire[n:].zero_()
         return wire

@@ -444,3 +444,18 @@ def test_trees_that_wait_on_the_host_are_the_ones_offloaded_by_default(make, syn
     # offload=None runs a tree on the worker thread (for CUDA buckets) exactly when some hook
     # in it waits for the GPU on the host; the rest are cheaper inline (2 x H200 measurements).
     assert make().syncing() is syncs
+
+
+def test_a_cast_state_loaded_from_a_checkpoint_decodes() -> None:
+    # Run-time fields come back as None after unpickling; the cast's cached 1/scale factor
+    # must be rebuilt, not read from None (a restored fp16 hook failed its first bucket).
+    import pickle
+
+    from aiak.comm import hooks
+
+    hook = hooks._cast_hook("t", torch.float16, None, 8.0)
+    t = torch.randn(33)
+    hook.decode_(hook.state, hook.encode(hook.state, t, 33), torch.empty(33))  # factor cached
+    state = pickle.loads(pickle.dumps(hook.state))
+    out = hook.decode_(state, hook.encode(state, t, 33), torch.empty(33))
+    assert torch.equal(out, (t * 8).half().float() / 8)
