@@ -7,7 +7,8 @@ Every hook starts from the same weights and batch; its averaged gradients after 
 compared with DDP without a hook (relative L2 error), then steps are timed (synchronised,
 median), in ``--rounds`` rounds that visit every mode in turn. Each aiak hook runs where it does
 by default (nan_check on aiak's worker thread, the others on DDP's autograd thread); the
-``offload``/``inline`` rows run it the other way.
+``offload``/``inline`` rows run it the other way; ``coalesce k`` rows issue k buckets'
+allreduces as one collective call.
 On one host with NVLink compression costs more than it saves; the figure here is the overhead
 each hook adds, e.g. fp16 (torch's hook: +4.0 ms on 2 x H200, GPU.md).
 Rank 0 prints the table and appends rows to benchmarks/results/comm_nccl.csv.
@@ -69,6 +70,18 @@ def _modes() -> dict[str, tuple]:
             lambda ddp: comm.register(ddp, comm.fp16_compress(scale=10), offload=True),
             2e-3,
         ),
+        "aiak fp16 coalesce 2": (
+            lambda ddp: comm.register(ddp, comm.fp16_compress(scale=10), coalesce=2),
+            2e-3,
+        ),
+        "aiak fp16 coalesce 4": (
+            lambda ddp: comm.register(ddp, comm.fp16_compress(scale=10), coalesce=4),
+            2e-3,
+        ),
+        "aiak allreduce coalesce 4": (
+            lambda ddp: comm.register(ddp, comm.allreduce(), coalesce=4),
+            1e-6,
+        ),
         "aiak bf16": (lambda ddp: comm.register(ddp, comm.bf16_compress()), 2e-2),
         "aiak nan_check(allreduce)": (lambda ddp: comm.register(ddp, comm.nan_check()), 1e-6),
         "aiak nan_check inline": (
@@ -93,6 +106,8 @@ def _modes() -> dict[str, tuple]:
 _PEER = {
     "aiak fp16 (scale 10)": "torch fp16",
     "aiak fp16 offload": "torch fp16",
+    "aiak fp16 coalesce 2": "torch fp16",
+    "aiak fp16 coalesce 4": "torch fp16",
     "aiak bf16": "torch bf16",
 }
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommError", "Link", "Traffic", "after", "gloo_timeout"]
+__all__ = ["Batch", "CommError", "Link", "Traffic", "after", "gloo_timeout"]
 
 Future = torch.futures.Future
 
@@ -226,16 +226,19 @@ def _ring_bytes(nbytes: int, n: int, allreduce: bool) -> int:
     return (2 if allreduce else 1) * (n - 1) * nbytes // n
 
 
-def all_reduce_mean(t: torch.Tensor, link: Link, traffic: Traffic) -> Future:
-    """Average ``t`` in place over ``link``; divides first so fp16 sums do not overflow."""
+def all_reduce_mean(
+    t: torch.Tensor, link: Link, traffic: Traffic, batch: Batch | None = None
+) -> Future:
+    """Average ``t`` in place over ``link``; divides first so fp16 sums do not overflow.
+
+    With a ``batch``, the allreduce is held there and issued by its next ``flush`` together
+    with the other held ones (one coalesced call per group and dtype)."""
     if link.size == 1:
         return done(t)
     traffic.add(link, _ring_bytes(t.numel() * t.element_size(), link.size, True))
-    if link.native_avg:
-        op = dist.ReduceOp.AVG
-    else:  # gloo has no AVG
-        t.div_(link.size)
-        op = dist.ReduceOp.SUM
+    op = _mean_op(t, link)
+    if batch is not None and isinstance(link.group, dist.ProcessGroup) and not t.is_complex():
+        return batch.hold(t, link, op)
     if isinstance(link.group, dist.ProcessGroup) and not t.is_complex():
         # The process group's own call, as DDP's reducer makes it: dist.all_reduce's Python
         # checks cost ~11 µs per call on a desktop CPU (pg.allreduce: 8 µs with gloo), paid per
@@ -246,7 +249,88 @@ def all_reduce_mean(t: torch.Tensor, link: Link, traffic: Traffic) -> Future:
     return after(work.get_future(), lambda _: t, t, _describe("allreduce", t, link))
 
 
+def _mean_op(t: torch.Tensor, link: Link) -> Any:
+    if link.native_avg:
+        return dist.ReduceOp.AVG
+    t.div_(link.size)  # gloo has no AVG
+    return dist.ReduceOp.SUM
+
+
+class Batch:
+    """Allreduces held back so that consecutive buckets leave in one coalesced call.
+
+    A collective call costs the host the same whether it carries one bucket or several: on
+    2 x H200 ProcessGroupNCCL's enqueue took 100-190 µs per call (benchmarks/results/
+    comm_nccl_notes.md), which on a host-bound step is step time. ``allreduce_coalesced`` puts
+    the held buckets in one NCCL group launch (gloo flattens them into one allreduce). Which
+    buckets share a call must be the same on every rank, so the top-level hook flushes at
+    fixed bucket indices, never on timing. The price: a held bucket starts its transfer one
+    bucket later, so the last call of a step carries more bytes after the backward ends.
+    """
+
+    __slots__ = ("_held",)
+
+    def __init__(self) -> None:
+        self._held: list[tuple[torch.Tensor, Link, Any, Pending]] = []
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def hold(self, t: torch.Tensor, link: Link, op: Any) -> Future:
+        pending = Pending(t)
+        self._held.append((t, link, op, pending))
+        return pending.future
+
+    def drop(self, why: str) -> None:
+        """Forget held allreduces (a step that failed before its flush); their futures fail."""
+        held, self._held = self._held, []
+        for _, _, _, pending in held:
+            pending.set_exception(CommError(f"aiak.comm: allreduce never issued: {why}"))
+
+    def flush(self) -> None:
+        """Issue what is held: one call per (group, dtype, op), in order of first appearance."""
+        held, self._held = self._held, []
+        calls: dict[tuple, list[tuple[torch.Tensor, Link, Any, Pending]]] = {}
+        for entry in held:
+            t, link, op, _ = entry
+            calls.setdefault((id(link.group), t.dtype, t.device, op), []).append(entry)
+        for entries in calls.values():
+            tensors = [e[0] for e in entries]
+            link, op = entries[0][1], entries[0][2]
+            if len(tensors) == 1:
+                work = link.group.allreduce(tensors, _allreduce_options(op))
+            else:
+                work = link.group.allreduce_coalesced(tensors, _coalesced_options(op))
+            work.get_future().add_done_callback(_settle(entries))
+
+
+def _settle(entries: list[tuple[torch.Tensor, Link, Any, Pending]]) -> Callable[[Future], None]:
+    def settle(f: Future) -> None:
+        try:
+            f.value()
+        except BaseException as exc:
+            t, link = entries[0][0], entries[0][1]
+            n = sum(e[0].numel() for e in entries)
+            what = _describe(f"coalesced allreduce of {len(entries)} buckets", t, link)()
+            for e in entries:
+                e[3].set_exception(CommError(f"{what} ({n} elements in all): {exc}"))
+            return
+        for t, _, _, pending in entries:
+            pending.set_result(t)
+
+    return settle
+
+
 _OPTIONS: dict[Any, Any] = {}
+_COALESCED: dict[Any, Any] = {}
+
+
+def _coalesced_options(op: Any) -> Any:
+    opts = _COALESCED.get(op)
+    if opts is None:
+        opts = _COALESCED[op] = dist.AllreduceCoalescedOptions()
+        opts.reduceOp = op
+    return opts
 
 
 def _allreduce_options(op: Any) -> Any:
@@ -290,7 +374,7 @@ class SubBucket:
     path); parameters likewise come from the parent when asked for.
     """
 
-    __slots__ = ("_buffer", "_index", "_is_last", "_params", "_parent", "_views", "step")
+    __slots__ = ("_buffer", "_index", "_is_last", "_params", "_parent", "_views", "batch", "step")
 
     def __init__(
         self,
@@ -303,6 +387,8 @@ class SubBucket:
         # ``step``: the top-level hook's step number, so inner hooks decide per step alike on
         # every rank even when they run in callbacks.
         self.step = step if step is not None else getattr(parent, "step", 0)
+        # the top-level hook's Batch when it coalesces buckets (leaf allreduces hold there)
+        self.batch: Batch | None = getattr(parent, "batch", None)
         self._buffer = buffer
         self._views = views
         self._parent = parent

@@ -43,12 +43,14 @@ class HookState:
     """Fields every state has; the run-time ones (leading ``_``) are not pickled."""
 
     __slots__ = (
+        "_batch",
         "_link",
         "_names",
         "_ready",
         "_serial",
         "_syncs",
         "_tail",
+        "coalesce",
         "log_every",
         "offload",
         "process_group",
@@ -63,6 +65,9 @@ class HookState:
         # Run the hook's Python on aiak's worker thread, off DDP's autograd thread (_offload.py)?
         # None: for CUDA buckets of trees that synchronise the host (nan_check), else inline.
         self.offload: bool | None = None
+        # Buckets per collective call: k > 1 holds k consecutive buckets' allreduces and issues
+        # them as one coalesced call (_wire.Batch). Trees that defer launches ignore it.
+        self.coalesce = 1
         # statistics
         self.step = 0
         self.traffic = Traffic()
@@ -73,6 +78,7 @@ class HookState:
         self._serial = False  # buckets one after another (a hook of the tree defers launches)
         self._syncs = False  # a hook of the tree waits for the GPU on the host (nan_check)
         self._tail: torch.futures.Future | None = None  # the previous bucket's future
+        self._batch: _wire.Batch | None = None  # held allreduces (coalesce > 1)
 
     def children(self) -> tuple["HookState", ...]:
         return ()
@@ -107,7 +113,8 @@ class HookState:
             if n.startswith("_") or n == "process_group":
                 setattr(self, n, None)
         self._names, self._ready, self._serial, self._syncs = {}, False, False, False
-        self.offload = None  # states pickled before this setting existed
+        self.offload = None  # states pickled before these settings existed
+        self.coalesce = 1
         for n, v in d.items():
             setattr(self, n, v)
 
@@ -192,6 +199,16 @@ class CommHook:
             state._new_step()
             state.step += 1
         sub = _wire.SubBucket(bucket.buffer(), None, bucket, step=state.step - 1)
+        batch = state._batch
+        if batch is not None:
+            if bucket.index() == 0 and len(batch):
+                batch.drop("the previous step ended before its last bucket")
+            sub.batch = batch
+            fut = self.reduce(state, sub, state._link)
+            # Fixed bucket indices, the same on every rank (see _wire.Batch).
+            if bucket.is_last() or (bucket.index() + 1) % state.coalesce == 0:
+                batch.flush()
+            return fut
         prev = state._tail if bucket.index() > 0 else None
         if not state._serial or prev is None or prev.done():
             fut = self.reduce(state, sub, state._link)
@@ -227,6 +244,19 @@ class CommHook:
         state._serial = self.deferring()
         state._syncs = self.syncing()
         state._tail = None
+        coalesce = state.coalesce
+        if isinstance(coalesce, bool) or not isinstance(coalesce, int) or coalesce < 1:
+            raise ValueError(f"aiak.comm: coalesce must be an int >= 1, got {coalesce!r}")
+        if coalesce > 1 and state._serial:
+            # Such trees launch from callbacks, at times that differ between ranks; holding
+            # their allreduces could pair different buckets on different ranks.
+            warnings.warn(
+                f"aiak.comm: coalesce={coalesce} is ignored by {type(self).__name__.lstrip('_')}"
+                " trees (they launch collectives from callbacks)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        state._batch = _wire.Batch() if coalesce > 1 and not state._serial else None
         state._ready = True
         return state
 
@@ -287,7 +317,8 @@ class _Allreduce(CommHook):
     __slots__ = ()
 
     def reduce(self, state: HookState, bucket: Any, link: Link) -> torch.futures.Future:
-        return _wire.all_reduce_mean(bucket.buffer(), link, state.traffic)
+        batch = getattr(bucket, "batch", None)
+        return _wire.all_reduce_mean(bucket.buffer(), link, state.traffic, batch)
 
 
 def allreduce() -> CommHook:

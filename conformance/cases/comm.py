@@ -52,6 +52,16 @@ HOOKS: dict[str, tuple[Any, torch.dtype]] = {
 # CUDA gradients; forced here on gloo): identical collectives, in the same order.
 for _name in ("allreduce", "fp16_scale10", "nan_check_hierarchical_powersgd"):
     HOOKS[f"{_name}+offload"] = HOOKS[_name]
+# Consecutive buckets' allreduces issued as one coalesced collective call (k per call).
+HOOKS["allreduce+coalesce2"] = HOOKS["allreduce"]
+HOOKS["fp16_scale10+coalesce3"] = HOOKS["fp16_scale10"]
+
+
+def _register(ddp: nn.parallel.DistributedDataParallel, label: str) -> None:
+    options = label.split("+")[1:]
+    coalesce = next((int(o[8:]) for o in options if o.startswith("coalesce")), None)
+    offload = True if "offload" in options else None
+    comm.register(ddp, HOOKS[label][0](), offload=offload, coalesce=coalesce)
 
 
 def _model(seed: int, dtype: torch.dtype) -> nn.Module:
@@ -88,7 +98,7 @@ def _rank_main(rank: int, label: str, seed: int, port: int, out: str) -> None:
     for hook in label.split(","):
         model = _model(seed, torch.float32)
         ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=CAP_MB)
-        comm.register(ddp, HOOKS[hook][0](), offload=True if hook.endswith("+offload") else None)
+        _register(ddp, hook)
         x, y = _batch(seed, rank, torch.float32)
         nn.functional.mse_loss(ddp(x), y).backward()
         grads.update({f"{hook}/{k}": v for k, v in _grads(model).items()})
