@@ -331,8 +331,23 @@ def allreduce() -> CommHook:
 # ------------------------------------------------------------------------------------------
 
 
+def _load_cast_kernel(device: torch.device, dtype: torch.dtype) -> Any:
+    """``aiak::cast_scale_`` (its eager fast path) when aiak.ops is installed and its kernel
+    runs on ``device`` for fp32 <-> ``dtype``; else False (the torch ops below do the cast)."""
+    if device.type != "cuda":
+        return False
+    try:
+        import aiak.ops  # the one allowed sibling import: guarded, torch ops without it
+    except ImportError:
+        return False
+    cap = aiak.ops.CAPABILITIES.get("cast_scale_")
+    if cap is None or cap.not_supported_reasons(device, (torch.float32, dtype)):
+        return False
+    return aiak.ops.cast.CAST_OP
+
+
 class CastState(HookState):
-    __slots__ = ("_unscale", "dtype", "inner", "scale")
+    __slots__ = ("_kernels", "_unscale", "dtype", "inner", "scale")
 
     def __init__(self, dtype: torch.dtype, scale: float, inner: HookState) -> None:
         super().__init__()
@@ -341,6 +356,17 @@ class CastState(HookState):
         self.inner = inner
         # run time, like every ``_`` field: None until first use and again after unpickling
         self._unscale: dict[torch.device, torch.Tensor] | None = None
+        self._kernels: dict[torch.device, Any] | None = None  # device -> cast kernel or False
+
+    def kernel(self, t: torch.Tensor) -> Any:
+        """The aiak cast kernel for ``t``'s device, or None (then torch ops cast)."""
+        cache = self._kernels
+        if cache is None:
+            cache = self._kernels = {}
+        k = cache.get(t.device)
+        if k is None:
+            k = cache[t.device] = _load_cast_kernel(t.device, self.dtype)
+        return k or None
 
     def children(self) -> tuple[HookState, ...]:
         return (self.inner,)
@@ -359,15 +385,17 @@ class CastState(HookState):
 class _Cast(_Wrapper):
     """Cast to ``dtype`` for the wire and back, with Perseus's gradient scale.
 
-    Each direction is one torch kernel: on CUDA a TensorIterator op converts dtypes inside the
-    kernel when ``out`` has another dtype. Encode, ``mul(src_fp32, scale, out=wire)``, computes
-    in fp32 and rounds once. Decode must also compute in fp32: with a Python scalar the
-    product of an fp16 tensor is fp16 (rounded, small values flushed: what ``scale`` exists to
-    avoid) before it is widened, so the factor is a one-element fp32 *tensor*, which makes the
-    op's dtype fp32. Why not ``aiak::multi_tensor_scale_``: its device tables are keyed by
-    addresses, and a fresh wire buffer per bucket missed the cache on every call (22 table
-    builds per step, 1261 vs 432 µs of host time per bucket on 2 x H200, DDP step +17.5 ms vs
-    +5.0 ms; benchmarks/profile_comm_nccl.py, 2026-11-23).
+    Both directions compute in fp32 and round once: ``scale`` must lift small values before
+    the cast to fp16, and ``1/scale`` must apply to the widened value, not to an fp16 product
+    (which would round and flush what ``scale`` saved). On CUDA each direction is one launch
+    of ``aiak::cast_scale_`` when aiak.ops is installed (vectorised, no per-call tables); else,
+    and on CPU, one torch op: encode ``mul(src_fp32, scale, out=wire)``, decode ``mul(wire,
+    factor, out=dst)`` with the factor a one-element fp32 *tensor* so the op computes in fp32
+    (TensorIterator's broadcasting path: ~33% of copy bandwidth for a 64 MB bucket on H200).
+    Why not ``aiak::multi_tensor_scale_``: its device tables are keyed by addresses, and a
+    fresh wire buffer per bucket missed the cache on every call (22 table builds per step,
+    1261 vs 432 µs of host time per bucket on 2 x H200, DDP step +17.5 ms vs +5.0 ms;
+    benchmarks/profile_comm_nccl.py, 2026-11-23).
     """
 
     __slots__ = ()
@@ -377,7 +405,10 @@ class _Cast(_Wrapper):
         n = t.numel()
         body = wire if length == n else wire[:n]  # each slice is host time (per bucket)
         flat = t.reshape(-1)  # a view when t is contiguous (bucket buffers are)
-        if state.scale == 1.0:
+        kernel = state.kernel(t) if t.is_cuda and flat.is_contiguous() else None
+        if kernel is not None:
+            kernel(body, flat, state.scale)
+        elif state.scale == 1.0:
             body.copy_(flat)
         else:
             torch.mul(flat, state.scale, out=body)
@@ -388,9 +419,13 @@ class _Cast(_Wrapper):
     def decode_(self, state: CastState, wire: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         n = out.numel()
         src = (wire if wire.numel() == n else wire[:n]).view(out.shape)
-        if state.scale == 1.0:
+        contiguous = out.is_contiguous()
+        kernel = state.kernel(out) if out.is_cuda and contiguous else None
+        if kernel is not None:
+            kernel(out, src, 1.0 / state.scale)
+        elif state.scale == 1.0:
             out.copy_(src)
-        elif out.is_contiguous():
+        elif contiguous:
             torch.mul(src, state.unscale_factor(out.device), out=out)
         else:  # not produced by our hooks (buffers are flat); keep it simple and correct
             out.copy_(src).mul_(1.0 / state.scale)

@@ -19,9 +19,17 @@ import torch
 
 from aiak.ops import _cuda
 from aiak.ops._capability import CAPABILITIES, Capability
+from aiak.ops.cast import cast_scale_
 from aiak.ops.multi_tensor import multi_tensor_l2norm, multi_tensor_scale_
 
-__all__ = ["CAPABILITIES", "Capability", "backends", "multi_tensor_l2norm", "multi_tensor_scale_"]
+__all__ = [
+    "CAPABILITIES",
+    "Capability",
+    "backends",
+    "cast_scale_",
+    "multi_tensor_l2norm",
+    "multi_tensor_scale_",
+]
 
 
 def backends() -> dict[str, Any]:
