@@ -121,20 +121,34 @@ class Pending:
     wait then fails with "Unable to cast <exception> to Tensor", losing the type. Here the
     future DDP holds is ``then`` of a trigger: an error is raised inside that callback, which
     makes it a real error of the future (DDP's backward re-raises it, type and message).
+    ``future`` makes that ``then``; ``lazy()`` instead leaves it to the next stages (one
+    ``then`` for the whole chain, see :class:`Lazy`).
     """
 
-    __slots__ = ("_error", "_like", "_trigger", "future")
+    __slots__ = ("_error", "_future", "_like", "_trigger")
 
     def __init__(self, like: torch.Tensor) -> None:
         self._like = like
         self._error: BaseException | None = None
         self._trigger = new_future(like)
-        self.future = self._trigger.then(self._unwrap)
+        self._future: Future | None = None
+
+    @property
+    def future(self) -> Future:
+        if self._future is None:
+            self._future = self._trigger.then(self._unwrap)
+        return self._future
+
+    def lazy(self) -> Lazy:
+        return Lazy(self._trigger, (self._check,), None)
 
     def _unwrap(self, f: Future) -> Any:
+        return self._check(f.value())
+
+    def _check(self, value: Any) -> Any:
         if self._error is not None:
             raise self._error
-        return f.value()
+        return value
 
     def set_result(self, value: Any) -> None:
         self._trigger.set_result(value)
@@ -144,8 +158,51 @@ class Pending:
         self._trigger.set_result(self._like)
 
 
+class Lazy:
+    """A future not made yet: a real ``base`` future and the stages to apply to its value.
+
+    :func:`after` on a Lazy appends a stage instead of making another future, so a bucket's
+    chain (collective -> value -> decode, ...) becomes one C++ ``then`` where a real future
+    is needed: handed to DDP (:func:`real`), or chained to a stage that returns futures. On
+    CUDA every ``then`` takes a pooled stream, waits for and records events and re-enters
+    Python; the stages run in order in one callback, on one stream, so their kernels stay
+    ordered as before.
+    """
+
+    __slots__ = ("base", "stages", "what")
+
+    def __init__(
+        self,
+        base: Future,
+        stages: tuple[Callable[[Any], Any], ...],
+        what: Callable[[], str] | None,
+    ) -> None:
+        self.base, self.stages, self.what = base, stages, what
+
+    def future(self) -> Future:
+        stages, what = self.stages, self.what
+
+        def run(f: Future) -> Any:
+            try:
+                value = f.value()
+            except BaseException as exc:
+                if what is None:
+                    raise
+                raise CommError(f"{what()}: {exc}") from exc
+            for fn in stages:
+                value = fn(value)
+            return value
+
+        return self.base.then(run)
+
+
+def real(fut: Future | Lazy) -> Future:
+    """A real future for ``fut`` (made here when it is a :class:`Lazy`)."""
+    return fut.future() if isinstance(fut, Lazy) else fut
+
+
 def after(
-    fut: Future,
+    fut: Future | Lazy,
     fn: Callable[[Any], Any],
     like: torch.Tensor,
     what: Callable[[], str] | None = None,
@@ -153,26 +210,22 @@ def after(
 ) -> Future:
     """A future for ``fn(fut.value())``.
 
-    ``chain=False``: ``fn`` returns a value, and the returned future is ``fut.then(...)`` (C++:
-    on NCCL, whose futures complete at enqueue, the callback runs inline on a side stream that
-    waits for the collective). ``chain=True``: ``fn`` may return a future (a further stage),
-    which is flattened into the result. Exceptions from ``fut`` (wrapped in :class:`CommError`
-    with the text ``what()`` makes, built only then) or from ``fn`` propagate to the returned
-    future, so DDP's wait raises instead of hanging.
+    ``chain=False``: ``fn`` returns a value; the result is a :class:`Lazy` that becomes
+    ``fut.then(...)`` when made real (C++: on NCCL, whose futures complete at enqueue, the
+    callback runs inline on a side stream that waits for the collective). ``chain=True``:
+    ``fn`` may return a future (a further stage), which is flattened into the result.
+    Exceptions from ``fut`` (wrapped in :class:`CommError` with the text ``what()`` makes,
+    built only then) or from ``fn`` propagate to the returned future, so DDP's wait raises
+    instead of hanging.
     """
     if not chain:
+        if isinstance(fut, Lazy):
+            if what is None:
+                return Lazy(fut.base, (*fut.stages, fn), fut.what)
+            fut = fut.future()
+        return Lazy(fut, (fn,), what)
 
-        def then(f: Future) -> Any:
-            try:
-                value = f.value()
-            except BaseException as exc:
-                if what is None:
-                    raise
-                raise CommError(f"{what()}: {exc}") from exc
-            return fn(value)
-
-        return fut.then(then)
-
+    fut = real(fut)
     out = Pending(like)
 
     def forward(g: Future) -> None:
@@ -192,6 +245,8 @@ def after(
         except BaseException as exc:
             out.set_exception(exc)
             return
+        if isinstance(result, Lazy):
+            result = result.future()
         # ``Future.then`` returns the C++ base class, not a torch.futures.Future.
         if isinstance(result, torch._C.Future):
             result.add_done_callback(forward)
@@ -279,7 +334,7 @@ class Batch:
     def hold(self, t: torch.Tensor, link: Link, op: Any) -> Future:
         pending = Pending(t)
         self._held.append((t, link, op, pending))
-        return pending.future
+        return pending.lazy()
 
     def drop(self, why: str) -> None:
         """Forget held allreduces (a step that failed before its flush); their futures fail."""

@@ -204,14 +204,14 @@ class CommHook:
             if bucket.index() == 0 and len(batch):
                 batch.drop("the previous step ended before its last bucket")
             sub.batch = batch
-            fut = self.reduce(state, sub, state._link)
+            fut = _wire.real(self.reduce(state, sub, state._link))
             # Fixed bucket indices, the same on every rank (see _wire.Batch).
             if bucket.is_last() or (bucket.index() + 1) % state.coalesce == 0:
                 batch.flush()
             return fut
         prev = state._tail if bucket.index() > 0 else None
         if not state._serial or prev is None or prev.done():
-            fut = self.reduce(state, sub, state._link)
+            fut = _wire.real(self.reduce(state, sub, state._link))
         else:
             fut = _wire.after(
                 prev,
