@@ -31,8 +31,11 @@ from aiak.comm import _wire
 class FakeBucket:
     """What hooks read from a ``dist.GradBucket``: one flat buffer and its per-param views."""
 
-    def __init__(self, buffer: torch.Tensor, shapes: list[tuple[int, ...]]) -> None:
+    def __init__(
+        self, buffer: torch.Tensor, shapes: list[tuple[int, ...]], index: int = 0, n: int = 1
+    ) -> None:
         self._buffer = buffer
+        self._index, self._last = index, index == n - 1
         self._views, off = [], 0
         for s in shapes:
             n = int(torch.Size(s).numel())
@@ -41,10 +44,10 @@ class FakeBucket:
         self._params = [torch.nn.Parameter(v.detach().clone()) for v in self._views]
 
     def index(self) -> int:
-        return 0
+        return self._index
 
     def is_last(self) -> bool:
-        return True
+        return self._last
 
     def buffer(self) -> torch.Tensor:
         return self._buffer
@@ -87,16 +90,24 @@ class FakeGroup(dist.ProcessGroup):
         return _Work(tensors[0])
 
 
-def _time(fn: Callable[[], Any], calls: int, sync: Callable[[], None]) -> float:
-    for _ in range(20):
-        fn().wait()
+def _time(
+    fn: Callable[[FakeBucket], Any],
+    buckets: list[FakeBucket],
+    steps: int,
+    sync: Callable[[], None],
+) -> float:
+    """Median host µs per bucket call over ``steps`` steps of one call per bucket, the device
+    synchronised between steps as in a training step (the GPU never holds the host back)."""
+    for _ in range(3):
+        for b in buckets:
+            fn(b).wait()
     sync()
     samples = []
-    for _ in range(5):
+    for _ in range(steps):
         t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        samples.append((time.perf_counter() - t0) / calls * 1e6)
+        for b in buckets:
+            fn(b)
+        samples.append((time.perf_counter() - t0) / len(buckets) * 1e6)
         sync()
     return statistics.median(samples)
 
@@ -104,8 +115,10 @@ def _time(fn: Callable[[], Any], calls: int, sync: Callable[[], None]) -> float:
 def main(argv: list[str] | None = None) -> dict[str, float]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--calls", type=int, default=2000)
-    p.add_argument("--numel", type=int, default=4096 * 4096)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--buckets", type=int, default=12, help="distinct buckets per step")
+    p.add_argument("--numel", type=int, default=4096 * 4096, help="elements per bucket")
+    p.add_argument("--profile", default="", help="cProfile this row (its name) and print it")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -115,17 +128,22 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     real_all_reduce = dist.all_reduce
     dist.all_reduce = _fake_all_reduce  # torch's hooks call it
     try:
-        buf = torch.randn(args.numel, device=device)
-        bucket = FakeBucket(buf, [(args.numel,)])
+        n = args.buckets
+        buckets = [
+            FakeBucket(torch.randn(args.numel, device=device), [(args.numel,)], i, n)
+            for i in range(n)
+        ]
         results: dict[str, float] = {}
+        timed = _profiled(args.profile)
         for name, hook in (
             ("torch allreduce_hook", default_hooks.allreduce_hook),
             ("torch fp16_compress_hook", default_hooks.fp16_compress_hook),
         ):
-            results[name] = _time(lambda h=hook: h(group, bucket), args.calls, sync)
+            results[name] = timed(name, lambda b, h=hook: h(group, b), buckets, args.steps, sync)
         for name, factory, offload in (
             ("aiak allreduce", comm.allreduce, False),
             ("aiak fp16_compress(scale=10)", lambda: comm.fp16_compress(scale=10), False),
+            ("aiak fp16, torch-op cast", lambda: _torch_cast(device), False),
             ("aiak nan_check(allreduce)", comm.nan_check, False),
             ("aiak fp16, offloaded: enqueue only", lambda: comm.fp16_compress(scale=10), True),
         ):
@@ -134,14 +152,46 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             state.offload = offload
             state._link, state._ready, state._serial = link, True, hook.deferring()
             _propagate_link(state, link)
-            results[name] = _time(lambda h=hook, s=state: h(s, bucket), args.calls, sync)
+            results[name] = timed(
+                name, lambda b, h=hook, s=state: h(s, b), buckets, args.steps, sync
+            )
     finally:
         dist.all_reduce = real_all_reduce
     width = max(map(len, results))
-    print(f"host µs per bucket call ({device.type}, {args.numel} elements, collectives faked)")
+    print(
+        f"host µs per bucket call ({device.type}, {n} buckets of {args.numel} elements, "
+        "collectives faked)"
+    )
     for name, us in results.items():
         print(f"  {name:<{width}}  {us:8.1f}")
     return results
+
+
+def _profiled(row: str) -> Callable[..., float]:
+    """``_time``, under cProfile for the row named ``row`` (its top functions printed)."""
+
+    def timed(name: str, *args: Any) -> float:
+        if name != row:
+            return _time(*args)
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        try:
+            return _time(*args)
+        finally:
+            prof.disable()
+            pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+
+    return timed
+
+
+def _torch_cast(device: torch.device) -> comm.CommHook:
+    """fp16 (scale 10) casting with torch ops, as without aiak.ops (no aiak::cast_scale_)."""
+    hook = comm.fp16_compress(scale=10)
+    hook.state._kernels = {device: False}
+    return hook
 
 
 def _propagate_link(state: comm.HookState, link: _wire.Link) -> None:

@@ -418,7 +418,9 @@ class _Cast(_Wrapper):
 
     def decode_(self, state: CastState, wire: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         n = out.numel()
-        src = (wire if wire.numel() == n else wire[:n]).view(out.shape)
+        src = wire if wire.numel() == n else wire[:n]
+        if out.dim() != 1:  # bucket buffers are flat: no view (host time per bucket)
+            src = src.view(out.shape)
         contiguous = out.is_contiguous()
         kernel = state.kernel(out) if out.is_cuda and contiguous else None
         if kernel is not None:

@@ -5,6 +5,15 @@
 
 #include "mta_common.cuh"
 
+// CuPy appends -ftz=true to NVRTC's options whatever we pass (cupy/cupy#9576), which would
+// flush fp32 subnormal products to zero: a bf16 value near its smallest normal times 1/scale
+// is one. An explicit PTX multiply without .ftz keeps IEEE subnormals.
+__device__ __forceinline__ float mul_ieee(float a, float b) {
+  float r;
+  asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
 template <typename S, typename D>
 __device__ __forceinline__ void cast_scale_body(const S* __restrict__ src, D* __restrict__ dst,
                                                 float scale, i64 n) {
@@ -18,11 +27,11 @@ __device__ __forceinline__ void cast_scale_body(const S* __restrict__ src, D* __
       float x[N];
       load_pack<S, N>(src, v, x);
 #pragma unroll
-      for (int j = 0; j < N; ++j) x[j] *= scale;
+      for (int j = 0; j < N; ++j) x[j] = mul_ieee(x[j], scale);
       store_pack<D, N>(dst, v, x);
     }
   }
-  for (i64 i = nvec * N + tid; i < n; i += stride) dst[i] = from_float<D>(to_float(src[i]) * scale);
+  for (i64 i = nvec * N + tid; i < n; i += stride) dst[i] = from_float<D>(mul_ieee(to_float(src[i]), scale));
 }
 
 #define CAST_SCALE(NAME, S, D)                                                        \

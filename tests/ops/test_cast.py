@@ -121,6 +121,19 @@ def test_cuda_kernel_equals_the_reference_bit_for_bit(src_dtype, dst_dtype, n) -
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_kernel_keeps_fp32_subnormals(dtype) -> None:
+    # CuPy compiles with -ftz=true; the kernel's multiply must not flush: bf16's smallest
+    # normal / 1024 is an fp32 subnormal, and so is fp32's.
+    tiny = torch.finfo(dtype).tiny
+    src = torch.tensor([tiny, 3 * tiny, -tiny] * 11, dtype=dtype, device="cuda")
+    out = torch.empty(33, device="cuda")
+    aiak.ops.cast_scale_(out, src, 1 / 1024)
+    assert torch.equal(out.cpu(), _expected(src, torch.float32, 1 / 1024))
+    assert (out != 0).all()
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("offset", [1, 3, 4, 8])
 def test_cuda_kernel_handles_unaligned_views(offset) -> None:
     # Views at odd offsets cannot take the vector path: the scalar loop covers them.
