@@ -38,13 +38,6 @@ def _model(layers: int, device: torch.device) -> torch.nn.Module:
     return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)]).to(device)
 
 
-def _torch_cast(ddp) -> None:
-    """fp16 (scale 10) casting with torch ops, as without aiak.ops (no aiak::cast_scale_)."""
-    hook = comm.fp16_compress(scale=10)
-    hook.state._kernels = {next(ddp.parameters()).device: False}
-    comm.register(ddp, hook)
-
-
 def _modes() -> dict[str, tuple]:
     """name -> (register(ddp) function, tolerance on the one-step gradients)."""
 
@@ -77,7 +70,6 @@ def _modes() -> dict[str, tuple]:
             lambda ddp: comm.register(ddp, comm.fp16_compress(scale=10), offload=True),
             2e-3,
         ),
-        "aiak fp16 torch cast": (_torch_cast, 2e-3),
         "aiak fp16 coalesce 2": (
             lambda ddp: comm.register(ddp, comm.fp16_compress(scale=10), coalesce=2),
             2e-3,
@@ -114,7 +106,6 @@ def _modes() -> dict[str, tuple]:
 _PEER = {
     "aiak fp16 (scale 10)": "torch fp16",
     "aiak fp16 offload": "torch fp16",
-    "aiak fp16 torch cast": "torch fp16",
     "aiak fp16 coalesce 2": "torch fp16",
     "aiak fp16 coalesce 4": "torch fp16",
     "aiak bf16": "torch bf16",

@@ -143,7 +143,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         for name, factory, offload in (
             ("aiak allreduce", comm.allreduce, False),
             ("aiak fp16_compress(scale=10)", lambda: comm.fp16_compress(scale=10), False),
-            ("aiak fp16, torch-op cast", lambda: _torch_cast(device), False),
             ("aiak nan_check(allreduce)", comm.nan_check, False),
             ("aiak fp16, offloaded: enqueue only", lambda: comm.fp16_compress(scale=10), True),
         ):
@@ -185,13 +184,6 @@ def _profiled(row: str) -> Callable[..., float]:
             pstats.Stats(prof).sort_stats("tottime").print_stats(18)
 
     return timed
-
-
-def _torch_cast(device: torch.device) -> comm.CommHook:
-    """fp16 (scale 10) casting with torch ops, as without aiak.ops (no aiak::cast_scale_)."""
-    hook = comm.fp16_compress(scale=10)
-    hook.state._kernels = {device: False}
-    return hook
 
 
 def _propagate_link(state: comm.HookState, link: _wire.Link) -> None:

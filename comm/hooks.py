@@ -187,7 +187,8 @@ class CommHook:
         """The hook itself, on the calling thread (``__call__`` may hand it to the worker)."""
         if not state._ready:
             self.setup(state)
-        if bucket.index() == 0:
+        index = bucket.index()
+        if index == 0:
             if state.log_every and state.step and state.step % state.log_every == 0:
                 b = state.bytes_sent()
                 logger.info(
@@ -201,15 +202,15 @@ class CommHook:
         sub = _wire.SubBucket(bucket.buffer(), None, bucket, step=state.step - 1)
         batch = state._batch
         if batch is not None:
-            if bucket.index() == 0 and len(batch):
+            if index == 0 and len(batch):
                 batch.drop("the previous step ended before its last bucket")
             sub.batch = batch
             fut = _wire.real(self.reduce(state, sub, state._link))
             # Fixed bucket indices, the same on every rank (see _wire.Batch).
-            if bucket.is_last() or (bucket.index() + 1) % state.coalesce == 0:
+            if sub.is_last() or (index + 1) % state.coalesce == 0:
                 batch.flush()
             return fut
-        prev = state._tail if bucket.index() > 0 else None
+        prev = state._tail if index > 0 else None
         if not state._serial or prev is None or prev.done():
             fut = _wire.real(self.reduce(state, sub, state._link))
         else:
@@ -331,23 +332,8 @@ def allreduce() -> CommHook:
 # ------------------------------------------------------------------------------------------
 
 
-def _load_cast_kernel(device: torch.device, dtype: torch.dtype) -> Any:
-    """``aiak::cast_scale_`` (its eager fast path) when aiak.ops is installed and its kernel
-    runs on ``device`` for fp32 <-> ``dtype``; else False (the torch ops below do the cast)."""
-    if device.type != "cuda":
-        return False
-    try:
-        import aiak.ops  # the one allowed sibling import: guarded, torch ops without it
-    except ImportError:
-        return False
-    cap = aiak.ops.CAPABILITIES.get("cast_scale_")
-    if cap is None or cap.not_supported_reasons(device, (torch.float32, dtype)):
-        return False
-    return aiak.ops.cast.CAST_OP
-
-
 class CastState(HookState):
-    __slots__ = ("_kernels", "_unscale", "dtype", "inner", "scale")
+    __slots__ = ("_unscale", "dtype", "inner", "scale")
 
     def __init__(self, dtype: torch.dtype, scale: float, inner: HookState) -> None:
         super().__init__()
@@ -356,17 +342,6 @@ class CastState(HookState):
         self.inner = inner
         # run time, like every ``_`` field: None until first use and again after unpickling
         self._unscale: dict[torch.device, torch.Tensor] | None = None
-        self._kernels: dict[torch.device, Any] | None = None  # device -> cast kernel or False
-
-    def kernel(self, t: torch.Tensor) -> Any:
-        """The aiak cast kernel for ``t``'s device, or None (then torch ops cast)."""
-        cache = self._kernels
-        if cache is None:
-            cache = self._kernels = {}
-        k = cache.get(t.device)
-        if k is None:
-            k = cache[t.device] = _load_cast_kernel(t.device, self.dtype)
-        return k or None
 
     def children(self) -> tuple[HookState, ...]:
         return (self.inner,)
@@ -387,15 +362,18 @@ class _Cast(_Wrapper):
 
     Both directions compute in fp32 and round once: ``scale`` must lift small values before
     the cast to fp16, and ``1/scale`` must apply to the widened value, not to an fp16 product
-    (which would round and flush what ``scale`` saved). On CUDA each direction is one launch
-    of ``aiak::cast_scale_`` when aiak.ops is installed (vectorised, no per-call tables); else,
-    and on CPU, one torch op: encode ``mul(src_fp32, scale, out=wire)``, decode ``mul(wire,
-    factor, out=dst)`` with the factor a one-element fp32 *tensor* so the op computes in fp32
-    (TensorIterator's broadcasting path: ~33% of copy bandwidth for a 64 MB bucket on H200).
-    Why not ``aiak::multi_tensor_scale_``: its device tables are keyed by addresses, and a
-    fresh wire buffer per bucket missed the cache on every call (22 table builds per step,
-    1261 vs 432 µs of host time per bucket on 2 x H200, DDP step +17.5 ms vs +5.0 ms;
-    benchmarks/profile_comm_nccl.py, 2026-11-23).
+    (which would round and flush what ``scale`` saved). Each direction is one torch kernel:
+    encode ``mul(src_fp32, scale, out=wire)``; decode ``mul(wire, factor, out=dst)`` with the
+    factor a one-element fp32 *tensor*, which makes the op compute in fp32.
+
+    Why not aiak's kernels. ``aiak::cast_scale_`` does the same in one vectorised pass and
+    saves GPU time (64 MB bucket on H200: encode 26 vs 32 µs, decode 39 vs 61 µs;
+    benchmarks/bench_cast_scale.py), but its launch from Python costs the host 27 µs against
+    8 µs for the torch op, and DDP calls hooks on its host-bound autograd thread: on 2 x H200
+    the 12 x Linear(4096) step took +6.9 ms over no hook with it, +4.0 ms with torch ops, in
+    one interleaved run (2026-11-23). ``aiak::multi_tensor_scale_`` keys its device tables by
+    addresses, and a fresh wire buffer per bucket missed that cache on every call (1261 vs
+    432 µs of host time per bucket, step +17.5 ms).
     """
 
     __slots__ = ()
@@ -404,11 +382,8 @@ class _Cast(_Wrapper):
         wire = torch.empty(length, dtype=state.dtype, device=t.device)
         n = t.numel()
         body = wire if length == n else wire[:n]  # each slice is host time (per bucket)
-        flat = t.reshape(-1)  # a view when t is contiguous (bucket buffers are)
-        kernel = state.kernel(t) if t.is_cuda and flat.is_contiguous() else None
-        if kernel is not None:
-            kernel(body, flat, state.scale)
-        elif state.scale == 1.0:
+        flat = t if t.dim() == 1 else t.reshape(-1)  # bucket buffers are flat already
+        if state.scale == 1.0:
             body.copy_(flat)
         else:
             torch.mul(flat, state.scale, out=body)
@@ -421,13 +396,9 @@ class _Cast(_Wrapper):
         src = wire if wire.numel() == n else wire[:n]
         if out.dim() != 1:  # bucket buffers are flat: no view (host time per bucket)
             src = src.view(out.shape)
-        contiguous = out.is_contiguous()
-        kernel = state.kernel(out) if out.is_cuda and contiguous else None
-        if kernel is not None:
-            kernel(out, src, 1.0 / state.scale)
-        elif state.scale == 1.0:
+        if state.scale == 1.0:
             out.copy_(src)
-        elif contiguous:
+        elif out.is_contiguous():
             torch.mul(src, state.unscale_factor(out.device), out=out)
         else:  # not produced by our hooks (buffers are flat); keep it simple and correct
             out.copy_(src).mul_(1.0 / state.scale)
