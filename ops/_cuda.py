@@ -23,8 +23,10 @@ import torch
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
 
-# -std=c++17 for `if constexpr`; --use_fast_math is NOT used: it flushes denormals and changes
-# sqrt/division rounding, which the conformance tolerances would notice on fp32.
+# -std=c++17 for `if constexpr`; --use_fast_math is NOT used: it changes sqrt/division rounding,
+# which the conformance tolerances would notice on fp32. Note that CuPy appends -ftz=true after
+# these options whatever they say (cupy/cupy#9576): fp32 arithmetic in our kernels flushes
+# subnormal results to zero unless written as explicit PTX without .ftz (cast_scale.cu does).
 DEFAULT_OPTIONS: tuple[str, ...] = ("-std=c++17",)
 
 _lock = threading.Lock()
