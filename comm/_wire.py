@@ -381,24 +381,24 @@ def _settle(entries: list[tuple[torch.Tensor, Link, Any, Pending]]) -> Callable[
     return settle
 
 
-_OPTIONS: dict[Any, Any] = {}
-_COALESCED: dict[Any, Any] = {}
+_OPTIONS: dict[tuple[type, Any], Any] = {}
 
 
-def _coalesced_options(op: Any) -> Any:
-    opts = _COALESCED.get(op)
+def _options(kind: type, op: Any) -> Any:
+    """One options object per (kind, reduce op), made once: building it is host time."""
+    opts = _OPTIONS.get((kind, op))
     if opts is None:
-        opts = _COALESCED[op] = dist.AllreduceCoalescedOptions()
+        opts = _OPTIONS[kind, op] = kind()
         opts.reduceOp = op
     return opts
 
 
 def _allreduce_options(op: Any) -> Any:
-    opts = _OPTIONS.get(op)
-    if opts is None:
-        opts = _OPTIONS[op] = dist.AllreduceOptions()
-        opts.reduceOp = op
-    return opts
+    return _options(dist.AllreduceOptions, op)
+
+
+def _coalesced_options(op: Any) -> Any:
+    return _options(dist.AllreduceCoalescedOptions, op)
 
 
 def reduce_scatter(out: torch.Tensor, src: torch.Tensor, link: Link, traffic: Traffic) -> Future:
