@@ -1,7 +1,7 @@
 """Node topology: which rank lives on which node, and the process groups built from it.
 
 The node of a rank comes from torchrun's ``GROUP_RANK`` (checked against ``LOCAL_WORLD_SIZE``)
-or, failing that, the hostname; every rank publishes its key with one ``all_gather_object``.
+or, failing that, the hostname; every rank publishes its key with one tensor ``all_gather``.
 Groups are created once per process and cached on the :class:`Topology` (``new_group`` must be
 called by every rank in the same order, so each is made for every node, not only ours).
 """
@@ -13,6 +13,7 @@ import socket
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ._wire import Link, gloo_timeout
@@ -116,6 +117,27 @@ class Topology:
 
 
 _CACHE: dict[int, Topology] = {}
+_KEY_BYTES = 512  # a hostname is at most 253 bytes
+
+
+def _gather_keys(key: str) -> list[str]:
+    """Every rank's ``key``, in rank order (a collective).
+
+    Not ``all_gather_object``: it pickles through numpy, which torch does not require (a fresh
+    ``pip install aiak`` has no numpy, and topology detection failed there).
+    """
+    data = key.encode()
+    if not data or len(data) > _KEY_BYTES or b"\0" in data:
+        raise ValueError(f"aiak.comm: node key {key!r} must be 1..{_KEY_BYTES} bytes without NUL")
+    backend = str(dist.get_backend())
+    on_gpu = "gloo" not in backend and torch.cuda.is_available()  # NCCL gathers GPU tensors
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    mine = torch.zeros(_KEY_BYTES, dtype=torch.uint8)
+    mine[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    mine = mine.to(device)
+    out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, mine)
+    return [bytes(t.cpu().tolist()).rstrip(b"\0").decode() for t in out]
 
 
 def topology() -> Topology:
@@ -125,8 +147,7 @@ def topology() -> Topology:
     world = dist.group.WORLD
     key = id(world)
     if key not in _CACHE:
-        keys: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(keys, node_key())
+        keys = _gather_keys(node_key())
         lws = _env_int(os.environ, "LOCAL_WORLD_SIZE", 1) if "GROUP_RANK" in os.environ else None
         _CACHE.clear()  # a new default group: groups of the old one are gone
         _CACHE[key] = Topology(keys, dist.get_rank(), lws)

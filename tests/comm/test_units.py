@@ -592,3 +592,19 @@ def test_coalesce_from_env_and_through_pickling() -> None:
         comm.parse_env({"AIAK_COALESCE_BUCKETS": "0"})
     state = pickle.loads(pickle.dumps(hook.state))
     assert state.coalesce == 3
+
+
+def test_topology_needs_no_numpy() -> None:
+    # torch does not require numpy; all_gather_object does (a fresh `pip install` failed).
+    code = (
+        "import sys; sys.modules['numpy'] = None\n"
+        "import socket, torch.distributed as dist\n"
+        "s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]; s.close()\n"
+        "dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=0, "
+        "world_size=1)\n"
+        "from aiak.comm.topology import topology\n"
+        "t = topology(); assert t.nodes == ((0,),), t\n"
+        "dist.destroy_process_group()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
