@@ -297,15 +297,16 @@ def all_reduce_mean(
         return done(t)
     traffic.add(link, _ring_bytes(t.numel() * t.element_size(), link.size, True))
     op = _mean_op(t, link)
-    if batch is not None and isinstance(link.group, dist.ProcessGroup) and not t.is_complex():
-        return batch.hold(t, link, op)
-    if isinstance(link.group, dist.ProcessGroup) and not t.is_complex():
-        # The process group's own call, as DDP's reducer makes it: dist.all_reduce's Python
-        # checks cost ~11 µs per call on a desktop CPU (pg.allreduce: 8 µs with gloo), paid per
-        # bucket on DDP's critical path. Our groups are ours: the checks cannot fail here.
-        work = link.group.allreduce([t], _allreduce_options(op))
-    else:
+    # The process group's own call, as DDP's reducer makes it: dist.all_reduce's Python checks
+    # cost ~11 µs per call on a desktop CPU (pg.allreduce: 8 µs with gloo), paid per bucket on
+    # DDP's critical path. Our groups are ours: the checks cannot fail here.
+    direct = isinstance(link.group, dist.ProcessGroup) and not t.is_complex()
+    if not direct:
         work = dist.all_reduce(t, op=op, group=link.group, async_op=True)
+    elif batch is not None:
+        return batch.hold(t, link, op)
+    else:
+        work = link.group.allreduce([t], _allreduce_options(op))
     return after(work.get_future(), lambda _: t, t, _describe("allreduce", t, link))
 
 

@@ -16,7 +16,14 @@ import torch
 
 from ._wire import gloo_timeout
 from .hierarchical import hierarchical
-from .hooks import CommHook, allreduce, fp16_compress, multi_stream, nan_check
+from .hooks import (
+    CommHook,
+    allreduce,
+    check_coalesce,
+    fp16_compress,
+    multi_stream,
+    nan_check,
+)
 from .powersgd import powersgd
 
 __all__ = ["EnvConfig", "bucket_cap_mb", "ddp", "from_env", "parse_env", "register"]
@@ -249,9 +256,7 @@ def register(
             raise TypeError(f"register: offload must be a bool or None, got {offload!r}")
         state.offload = offload
     if coalesce is not None:
-        if isinstance(coalesce, bool) or not isinstance(coalesce, int) or coalesce < 1:
-            raise ValueError(f"register: coalesce must be an int >= 1, got {coalesce!r}")
-        state.coalesce = coalesce
+        state.coalesce = check_coalesce("register", coalesce)
     names = {p: name for name, p in ddp_model.module.named_parameters()}
     hook.setup(state, ddp_model.process_group, names)
     ddp_model.register_comm_hook(state, hook)

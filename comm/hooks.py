@@ -123,6 +123,13 @@ class HookState:
         return f"{type(self).__name__}({fields})"
 
 
+def check_coalesce(where: str, value: Any) -> int:
+    """``value`` when it is a valid ``coalesce`` (an int >= 1), else a ValueError."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{where}: coalesce must be an int >= 1, got {value!r}")
+    return value
+
+
 class Setup:
     """What a hook tree needs once before its first bucket: topology, candidate groups, names."""
 
@@ -245,9 +252,7 @@ class CommHook:
         state._serial = self.deferring()
         state._syncs = self.syncing()
         state._tail = None
-        coalesce = state.coalesce
-        if isinstance(coalesce, bool) or not isinstance(coalesce, int) or coalesce < 1:
-            raise ValueError(f"aiak.comm: coalesce must be an int >= 1, got {coalesce!r}")
+        coalesce = check_coalesce("aiak.comm", state.coalesce)
         if coalesce > 1 and state._serial:
             # Such trees launch from callbacks, at times that differ between ranks; holding
             # their allreduces could pair different buckets on different ranks.

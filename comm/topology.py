@@ -137,7 +137,8 @@ def _gather_keys(key: str) -> list[str]:
     mine = mine.to(device)
     out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(out, mine)
-    return [bytes(t.cpu().tolist()).rstrip(b"\0").decode() for t in out]
+    rows = torch.stack(out).cpu().tolist()  # one device-to-host copy, whatever the world size
+    return [bytes(r).rstrip(b"\0").decode() for r in rows]
 
 
 def topology() -> Topology:

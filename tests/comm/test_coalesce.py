@@ -1,0 +1,146 @@
+"""Coalescing buckets (``coalesce=k``): which buckets share a collective call, errors, options.
+
+Single process: a fake 2-rank process group records each call's kind and size.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from aiak import comm
+from aiak.comm import _wire
+
+
+class _CountingGroup(torch.distributed.ProcessGroup):
+    """A 2-rank group whose peer contributes what we do: records each call's kind and size."""
+
+    def __init__(self, fail: bool = False) -> None:
+        super().__init__(0, 2)
+        self.calls: list[tuple[str, int]] = []
+        self.fail = fail
+
+    def _work(self, kind: str, tensors: list[torch.Tensor]):
+        from torch._C._distributed_c10d import _create_work_from_future
+
+        self.calls.append((kind, len(tensors)))
+        fut = torch.futures.Future()
+        if self.fail:  # a real error of the future (set_exception stores it as the value)
+
+            def gone(_):
+                raise RuntimeError("peer 1 is gone")
+
+            out = fut.then(gone)
+        else:
+            for t in tensors:
+                t.mul_(2)  # SUM over two ranks holding the same values
+            out = fut
+        fut.set_result(tensors)
+        return _create_work_from_future(out)
+
+    def allreduce(self, tensors, opts=None):
+        return self._work("allreduce", tensors)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        return self._work("coalesced", tensors)
+
+
+class _IndexedBucket:
+    """Bucket ``i`` of ``n``: a flat buffer, its index, whether it is the last."""
+
+    def __init__(self, i: int, n: int, length: int) -> None:
+        self.buf = torch.arange(length, dtype=torch.float) + 0.25 * i
+        self.i, self.n = i, n
+
+    def buffer(self) -> torch.Tensor:
+        return self.buf
+
+    def index(self) -> int:
+        return self.i
+
+    def is_last(self) -> bool:
+        return self.i == self.n - 1
+
+
+def _ready(hook, group: _CountingGroup, coalesce: int):
+    state = hook.state
+    state.coalesce = coalesce
+    state._link = _wire.Link(group, (0, 1), inter=False)
+    state._link._avg = False  # gloo's path: divide, then SUM
+    state._batch = _wire.Batch() if coalesce > 1 else None
+    state._ready = True
+    return state
+
+
+@pytest.mark.parametrize("make", [comm.allreduce, lambda: comm.fp16_compress(scale=4)])
+@pytest.mark.parametrize(("n", "k"), [(7, 3), (4, 2), (3, 5), (5, 1)])
+def test_coalesce_groups_buckets_at_fixed_indices(make, n, k) -> None:
+    group = _CountingGroup()
+    hook = make()
+    state = _ready(hook, group, k)
+    buckets = [_IndexedBucket(i, n, 37 + i) for i in range(n)]
+    expect = [b.buf.clone() for b in buckets]
+    futs = []
+    for b in buckets:
+        futs.append(hook.run(state, b))
+    sizes = [min(k, n - s) for s in range(0, n, k)]
+    kinds = ["coalesced" if s > 1 else "allreduce" for s in sizes]
+    assert group.calls == list(zip(kinds, sizes, strict=True))
+    for f, b, e in zip(futs, buckets, expect, strict=True):
+        out = f.wait()
+        assert out.data_ptr() == b.buf.data_ptr()  # averaged in place, as DDP expects
+        torch.testing.assert_close(out, e, rtol=1e-3, atol=0)
+
+
+def test_coalesce_holds_until_the_group_is_full() -> None:
+    group = _CountingGroup()
+    hook = comm.allreduce()
+    state = _ready(hook, group, 3)
+    futs = [hook.run(state, _IndexedBucket(i, 6, 8)) for i in range(2)]
+    assert group.calls == [] and not any(f.done() for f in futs)
+    futs.append(hook.run(state, _IndexedBucket(2, 6, 8)))
+    assert group.calls == [("coalesced", 3)] and all(f.done() for f in futs)
+
+
+def test_coalesce_drops_a_failed_steps_held_buckets() -> None:
+    # A step that raised before its last bucket leaves buckets held; the next step must not
+    # send them (other ranks never held them): they fail, and the new step starts clean.
+    group = _CountingGroup()
+    hook = comm.allreduce()
+    state = _ready(hook, group, 4)
+    stale = hook.run(state, _IndexedBucket(0, 6, 8))
+    fresh = [hook.run(state, _IndexedBucket(i, 2, 8)) for i in range(2)]
+    assert group.calls == [("coalesced", 2)]
+    with pytest.raises(Exception, match="never issued"):
+        stale.wait()
+    assert all(torch.isfinite(f.wait()).all() for f in fresh)
+
+
+def test_coalesced_failure_names_the_call_and_reaches_every_bucket() -> None:
+    group = _CountingGroup(fail=True)
+    hook = comm.fp16_compress()
+    state = _ready(hook, group, 2)
+    futs = [hook.run(state, _IndexedBucket(i, 2, 8)) for i in range(2)]
+    for f in futs:
+        with pytest.raises(Exception, match=r"coalesced allreduce of 2 buckets.*peer 1 is gone"):
+            f.wait()
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "2"])
+def test_coalesce_must_be_a_positive_int(value) -> None:
+    ddp = object.__new__(torch.nn.parallel.DistributedDataParallel)
+    ddp.bucket_bytes_cap = 25 * 2**20
+    with pytest.raises(ValueError, match="coalesce"):
+        comm.register(ddp, comm.allreduce(), coalesce=value)
+
+
+def test_coalesce_from_env_and_through_pickling() -> None:
+    hook = comm.from_env({"AIAK_COALESCE_BUCKETS": "3"})
+    assert type(hook).__name__ == "_Allreduce" and hook.state.coalesce == 3
+    assert comm.from_env({"AIAK_FP16_COMPRESSION": "1"}).state.coalesce == 1
+    with pytest.raises(ValueError, match="AIAK_COALESCE_BUCKETS"):
+        comm.parse_env({"AIAK_COALESCE_BUCKETS": "0"})
+    state = pickle.loads(pickle.dumps(hook.state))
+    assert state.coalesce == 3
