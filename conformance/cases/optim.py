@@ -123,7 +123,10 @@ def _run(
     make: Callable[[list], torch.optim.Optimizer],
     inputs: dict[str, Any],
     dtype: torch.dtype | None = None,
+    peaks: dict[str, float] | None = None,
 ) -> dict:
+    """K steps of ``make``'s optimizer; the params and state after them. ``peaks`` receives
+    each output's largest L2 norm over the steps."""
     ps = [p.detach().clone().to(dtype or p.dtype).requires_grad_() for p in inputs["params"]]
     groups = [{"params": ps[:3]}, {"params": ps[3:], **inputs["spec"].params.get("group2", {})}]
     opt = make(groups)
@@ -131,12 +134,46 @@ def _run(
         for p, g in zip(ps, inputs["grads"][t]):
             p.grad = g.to(p.device, p.dtype)
         opt.step()
+        if peaks is not None:
+            for key, v in _outputs(ps, opt).items():
+                peaks[key] = max(peaks.get(key, 0.0), float(v.double().norm()))
+    return _outputs(ps, opt)
+
+
+def _outputs(ps: list[torch.Tensor], opt: torch.optim.Optimizer) -> dict:
     out = {f"p{i}": p.detach() for i, p in enumerate(ps)}
     for i, p in enumerate(ps):
         for key, v in opt.state[p].items():
             if key != "step":
                 out[f"{key}{i}"] = v
     return out
+
+
+def _rounding_floor(
+    make: Callable[[dict[str, Any]], Callable[[list], torch.optim.Optimizer]],
+) -> Callable[[dict[str, Any]], dict[str, float]]:
+    """Per-output bounds from storage rounding, for half-precision specs (harness ``floor``).
+
+    Each of the K steps stores a param or state tensor in the spec's dtype, off by up to half
+    an ulp of its size then; so after K steps it may be K x eps/2 of the largest size it had
+    off the float64 truth (bf16: 3.9%, fp16: 0.5%, the policy's bound). Against its final
+    size that is large where values cancelled towards zero: a one-element param of optim.sgd
+    ended 2-10% off in bf16 and failed ~1 README run in 5; with this floor, 0 of 100 seeds.
+    The trajectory is torch's optimizer (``make(inputs)``) in float64.
+    """
+
+    def floor(inputs: dict[str, Any]) -> dict[str, float]:
+        eps = torch.finfo(inputs["spec"].dtype).eps
+        peaks: dict[str, float] = {}
+        final = _run(make(inputs), inputs, torch.float64, peaks)
+        bounds = {}
+        for key, v in final.items():
+            size = float(v.norm())
+            if size > 0:
+                bounds[key] = K * eps / 2 * peaks[key] / size
+        return bounds
+
+    return floor
 
 
 def _fused_available(device: torch.device) -> bool:
@@ -256,6 +293,9 @@ register(
         # torch's SGD in the spec's dtype: after 10 half-precision steps a 1-element param or
         # momentum buffer that cancels to ~0 is 10-20% off the float64 truth for torch too.
         peer=_sgd_peer,
+        floor=_rounding_floor(
+            lambda inputs: lambda g: torch.optim.SGD(g, **inputs["spec"].params["kw"])
+        ),
         description="FusedSGD vs torch SGD (fused on CUDA), 10 steps, 2 groups",
     )
 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -125,6 +126,25 @@ def test_peer_bound_is_twice_torchs_same_dtype_error(
     assert r.passed is passes, r.message
     if not passes and dtype != torch.float32 and peer_err:
         assert "2x torch's" in r.message
+
+
+@pytest.mark.parametrize(
+    ("dtype", "candidate_err", "floor", "passes"),
+    [
+        (torch.bfloat16, 0.05, 0.06, True),  # within the case's rounding floor
+        (torch.bfloat16, 0.07, 0.06, False),
+        (torch.bfloat16, 0.01, 0.001, True),  # a small floor leaves the policy's 2e-2
+        (torch.float32, 0.05, 0.06, False),  # fp32 specs never use the floor
+    ],
+)
+def test_rounding_floor_raises_half_precision_bounds(
+    dtype: torch.dtype, candidate_err: float, floor: float, passes: bool
+) -> None:
+    case = dataclasses.replace(
+        _half_case(candidate_err, 0.0, dtype), peer=None, floor=lambda inp: {"y": floor}
+    )
+    (r,) = run_case(case, torch.device("cpu"), seed=3)
+    assert r.passed is passes, r.message
 
 
 def test_register_rejects_duplicates_and_non_cases() -> None:
