@@ -128,11 +128,22 @@ def append_csv(name: str, rows: Sequence[dict[str, Any]]) -> Path:
     env = environment()
     rows = [{**env, **r} for r in rows]
     fields = list(rows[0])
-    new = not path.exists()
-    with path.open("a", newline="") as f:
+    old: list[dict[str, str]] = []
+    rewrite = not path.exists()
+    if path.exists():
+        with path.open(newline="") as f:
+            reader = csv.DictReader(f)
+            known = list(reader.fieldnames or [])
+            if set(fields) <= set(known):
+                fields = known
+            else:  # a benchmark gained columns: rewrite with the union (old rows leave them empty)
+                old, rewrite = list(reader), True
+                fields = known + [c for c in fields if c not in known]
+    with path.open("w" if rewrite else "a", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        if new:
+        if rewrite:
             writer.writeheader()
+            writer.writerows(old)
         writer.writerows(rows)
     return path
 
