@@ -62,6 +62,7 @@ def _modes() -> dict[str, tuple]:
             lambda ddp: comm.register(ddp, comm.allreduce(), offload=True),
             1e-6,
         ),
+        "aiak fp16": (lambda ddp: comm.register(ddp, comm.fp16_compress()), 2e-3),
         "aiak fp16 (scale 10)": (
             lambda ddp: comm.register(ddp, comm.fp16_compress(scale=10)),
             2e-3,
@@ -110,6 +111,7 @@ def _modes() -> dict[str, tuple]:
 
 
 _PEER = {
+    "aiak fp16": "torch fp16",
     "aiak fp16 (scale 10)": "torch fp16",
     "aiak fp16 offload": "torch fp16",
     "aiak fp16 coalesce 2": "torch fp16",
@@ -135,6 +137,9 @@ class _Trainer:
 
     def first_grads(self) -> torch.Tensor:
         torch.nn.functional.mse_loss(self.ddp(self.x), self.y).backward()
+        wrong = [q.grad.dtype for q in self.ddp.parameters() if q.grad.dtype != q.dtype]
+        if wrong:  # a hook's narrow wire must come back cast by DDP's copy
+            raise TypeError(f"gradients came back as {wrong[0]}")
         return torch.cat([q.grad.flatten() for q in self.ddp.parameters()])
 
     def step(self) -> None:

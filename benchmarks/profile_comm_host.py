@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             results[name] = timed(name, lambda b, h=hook: h(group, b), buckets, args.steps, sync)
         for name, factory, offload in (
             ("aiak allreduce", comm.allreduce, False),
+            ("aiak fp16_compress()", comm.fp16_compress, False),
             ("aiak fp16_compress(scale=10)", lambda: comm.fp16_compress(scale=10), False),
             ("aiak nan_check(allreduce)", comm.nan_check, False),
             ("aiak fp16, offloaded: enqueue only", lambda: comm.fp16_compress(scale=10), True),

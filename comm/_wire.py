@@ -435,7 +435,17 @@ class SubBucket:
     path); parameters likewise come from the parent when asked for.
     """
 
-    __slots__ = ("_buffer", "_index", "_is_last", "_params", "_parent", "_views", "batch", "step")
+    __slots__ = (
+        "_buffer",
+        "_index",
+        "_is_last",
+        "_params",
+        "_parent",
+        "_views",
+        "batch",
+        "step",
+        "wire_ok",
+    )
 
     def __init__(
         self,
@@ -453,6 +463,10 @@ class SubBucket:
         self._params = params
         # the top-level hook's Batch when it coalesces buckets (leaf allreduces hold there)
         self.batch: Batch | None
+        # True only for the bucket DDP handed to the top-level hook (never inherited): its
+        # future may carry the averaged wire tensor itself, narrower but of the same length,
+        # because DDP copies the result into the gradients with a cast (see _Cast.reduce).
+        self.wire_ok = False
         if type(parent) is SubBucket:  # fields, not calls: host time per bucket
             self.step = parent.step if step is None else step
             self.batch, self._index, self._is_last = parent.batch, parent._index, parent._is_last

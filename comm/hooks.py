@@ -207,6 +207,7 @@ class CommHook:
             state._new_step()
             state.step += 1
         sub = _wire.SubBucket(bucket.buffer(), None, bucket, step=state.step - 1)
+        sub.wire_ok = True  # our caller is DDP (see _wire.SubBucket)
         batch = state._batch
         if batch is not None:
             if index == 0 and len(batch):
@@ -415,6 +416,11 @@ class _Cast(_Wrapper):
             return self.inner.reduce(state.inner, bucket, link)
         wire = self.encode(state, buf, buf.numel())
         fut = self.inner.reduce(state.inner, _wire.rebase(bucket, wire), link)
+        if state.scale == 1.0 and getattr(bucket, "wire_ok", False):
+            # The averaged wire goes back to DDP as it is: DDP copies every bucket's result
+            # into the gradients anyway, and that copy casts. No decode launch, no decode pass
+            # over the bucket (64 MB fp32 bucket on H200: ~60 µs of GPU time, ~10 µs of host).
+            return fut
 
         def decode(_: Any) -> torch.Tensor:
             _wire.keep(wire)  # read on this callback's stream, freed when we return

@@ -33,6 +33,8 @@ HOOKS: dict[str, tuple[Any, torch.dtype]] = {
     "hierarchical": (lambda: comm.hierarchical(), torch.float32),
     "multi_stream": (lambda: comm.multi_stream(comm.allreduce(), streams=2), torch.float32),
     "fp16_scale10": (lambda: comm.fp16_compress(scale=10), torch.float16),
+    # scale 1: the hook hands DDP the averaged fp16 wire; DDP's copy into the grads casts it
+    "fp16": (lambda: comm.fp16_compress(), torch.float16),
     "bf16": (lambda: comm.bf16_compress(), torch.bfloat16),
     "hierarchical_outer_fp16": (
         lambda: comm.hierarchical(outer=comm.fp16_compress(scale=10)),
@@ -55,6 +57,8 @@ for _name in ("allreduce", "fp16_scale10", "nan_check_hierarchical_powersgd"):
 # Consecutive buckets' allreduces issued as one coalesced collective call (k per call).
 HOOKS["allreduce+coalesce2"] = HOOKS["allreduce"]
 HOOKS["fp16_scale10+coalesce3"] = HOOKS["fp16_scale10"]
+# DDP with gradients as views of its buckets (results are copied, and cast, there as well).
+HOOKS["fp16+view"] = HOOKS["fp16"]
 
 
 def _register(ddp: nn.parallel.DistributedDataParallel, label: str) -> None:
@@ -97,10 +101,15 @@ def _rank_main(rank: int, label: str, seed: int, port: int, out: str) -> None:
     grads = {}
     for hook in label.split(","):
         model = _model(seed, torch.float32)
-        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=CAP_MB)
+        ddp = nn.parallel.DistributedDataParallel(
+            model, bucket_cap_mb=CAP_MB, gradient_as_bucket_view="view" in hook.split("+")
+        )
         _register(ddp, hook)
         x, y = _batch(seed, rank, torch.float32)
         nn.functional.mse_loss(ddp(x), y).backward()
+        wrong = [n for n, p in model.named_parameters() if p.grad.dtype != p.dtype]
+        if wrong:  # a cast hook's wire must come back cast (DDP's copy), never as the grad
+            raise TypeError(f"{hook}: gradients of {wrong} are not {torch.float32}")
         grads.update({f"{hook}/{k}": v for k, v in _grads(model).items()})
     if rank == 0:
         torch.save(grads, out)

@@ -60,10 +60,19 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def train(
-    hook, data, model=None, state=None, start=0, lr=0.1, grads_at=(), rebuild=False, offload=None
+    hook,
+    data,
+    model=None,
+    state=None,
+    start=0,
+    lr=0.1,
+    grads_at=(),
+    rebuild=False,
+    offload=None,
+    bucket_view=False,
 ):
     model = make_model() if model is None else model
-    ddp = DDP(model, bucket_cap_mb=CAP_MB)
+    ddp = DDP(model, bucket_cap_mb=CAP_MB, gradient_as_bucket_view=bucket_view)
     if rebuild:  # let DDP rebuild its buckets first (its 2nd forward) so indices match a restore
         for x, y in data[:2]:
             nn.functional.mse_loss(ddp(x), y).backward()
@@ -78,6 +87,8 @@ def train(
         opt.zero_grad()
         loss.backward()
         if step in grads_at:
+            # A cast hook may hand DDP its fp16/bf16 wire; DDP's copy casts it back.
+            assert all(p.grad.dtype == p.dtype for p in model.parameters())
             grads[step] = flat_grads(model).clone()
         opt.step()
         losses.append(loss.item())
@@ -93,6 +104,8 @@ def check_parity(results: dict) -> None:
         "allreduce": lambda: comm.allreduce(),
         "hierarchical": lambda: comm.hierarchical(),
         "fp16": lambda: comm.fp16_compress(scale=10),
+        # scale 1: the averaged fp16 wire itself goes back to DDP (no decode pass)
+        "fp16_scale1": lambda: comm.fp16_compress(),
         "bf16": lambda: comm.bf16_compress(),
         "multi_stream": lambda: comm.multi_stream(comm.allreduce(), streams=3),
         "hier_fp16_outer": lambda: comm.hierarchical(outer=comm.fp16_compress(scale=10)),
@@ -122,11 +135,20 @@ def check_parity(results: dict) -> None:
     }
     for name, (base, k) in coalesced.items():
         hooks[name] = _with_coalesce(hooks[base], k)
+    # DDP with gradients as views of its buckets: the results are copied (and cast) there too.
+    for name in ("fp16_scale1", "fp16", "bf16"):
+        hooks[f"{name}+view"] = hooks[name]
     for name, make in hooks.items():
         offload = True if name.endswith("+offload") else None
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            model, g, _ = train(make(), data, grads_at=(0, 3), offload=offload)
+            model, g, _ = train(
+                make(),
+                data,
+                grads_at=(0, 3),
+                offload=offload,
+                bucket_view=name.endswith("+view"),
+            )
         if name.startswith("hier_fp16_outer+coalesce"):
             results["coalesce_ignored_warning"] = [str(w.message) for w in caught]
         results[name] = {

@@ -59,6 +59,10 @@ TOL.update(
         "multi_stream+coalesce2": 1e-6,
         "nan_fp16+coalesce2+offload": 1e-3,
         "hier_fp16_outer+coalesce2": 1e-3,
+        "fp16_scale1": 1e-3,
+        "fp16_scale1+view": 1e-3,
+        "fp16+view": 1e-3,
+        "bf16+view": 1e-2,
     }
 )
 
