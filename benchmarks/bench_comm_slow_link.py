@@ -9,7 +9,9 @@ veth counters. Everything it creates is removed in ``finally``; each run has a t
 
     sudo .venv/bin/python benchmarks/bench_comm_slow_link.py --rates 100,200,500,1000
 
-Writes ``benchmarks/results/comm_slow_link.csv`` (appends) and ``comm_slow_link.png``.
+Writes ``benchmarks/results/comm_slow_link.csv`` (appends) and ``comm_slow_link_<N>x<G>.png``
+(without matplotlib, e.g. on the GPU machine, the plot is skipped: ``--replot`` draws it later
+from the CSV's latest run of that layout). No iproute2 there: ``scripts/iproute2-bundle``.
 Formula (per direction, per step, S = gradient bytes): flat ring 2(NG-1)/NG * S; hierarchical
 2(N-1)/N * S; hierarchical + fp16 half of that; PowerSGD 2(NG-1)/NG * 4 B * sum((n+m) r) plus
 uncompressed biases.
@@ -253,6 +255,32 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _png(args: argparse.Namespace) -> Path:
+    return RESULTS / f"comm_slow_link_{args.nodes}x{args.per_node}.png"
+
+
+def latest_rows(nodes: int, per_node: int) -> list[dict]:
+    """The rows of the CSV's latest run with this layout, numbers as numbers."""
+    with (RESULTS / "comm_slow_link.csv").open(newline="") as f:
+        rows = [
+            r
+            for r in csv.DictReader(f)
+            if (int(r["nodes"]), int(r["per_node"])) == (nodes, per_node)
+        ]
+    if not rows:
+        sys.exit(f"bench_comm_slow_link: no {nodes} x {per_node} rows in comm_slow_link.csv")
+    last = rows[-1]["timestamp"]
+    out = []
+    for r in rows:
+        if r["timestamp"] == last:
+            out.append(
+                {k: v if k in ("timestamp", "host", "mode") else float(v) for k, v in r.items()}
+            )
+    for r in out:
+        r["link_mbit"], r["nodes"], r["per_node"] = int(r["link_mbit"]), nodes, per_node
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -266,9 +294,13 @@ def main() -> None:
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--limit", type=float, default=300, help="seconds per link rate")
+    p.add_argument("--replot", action="store_true", help="plot the CSV's latest run, no runs")
     args = p.parse_args()
     if args.worker:
         worker(args)
+        return
+    if args.replot:
+        plot(latest_rows(args.nodes, args.per_node), _png(args))
         return
     if os.geteuid() != 0:
         sys.exit("bench_comm_slow_link: needs root (ip netns, veth, tc)")
@@ -314,7 +346,10 @@ def main() -> None:
                 tx_over_formula=r["tx_per_step"] / r["formula"],
             )
             w.writerow({k: r[k] for k in fields})
-    plot(rows, RESULTS / "comm_slow_link.png")
+    try:
+        plot(rows, _png(args))
+    except ImportError:
+        print("matplotlib is missing: no plot (run again with --replot where it is installed)")
     flat = {r["link_mbit"]: r["step_ms"] for r in rows if r["mode"] == "flat"}
     print(
         f"\n{'Mbit/s':>6} {'mode':<18} {'step ms':>8} {'vs flat':>7} {'MB/step tx':>10} "

@@ -444,12 +444,20 @@ def fp16_compress(inner: CommHook | None = None, scale: float = 1.0) -> CommHook
 
     ``scale`` multiplies before the cast and divides after it (Perseus's gradient scale, 10 by
     default there) so that small gradients do not flush to zero in fp16.
+
+    Called by DDP with ``scale=1`` (the default), the hook's future carries the averaged fp16
+    wire itself: DDP copies every bucket's result into the gradients and that copy casts, so
+    no decode pass is needed (the gradients stay fp32). Inside another hook, or with a scale,
+    the result is decoded into the bucket's own buffer.
     """
     return _cast_hook("fp16_compress", torch.float16, inner, scale)
 
 
 def bf16_compress(inner: CommHook | None = None, scale: float = 1.0) -> CommHook:
-    """Send gradients as bf16 through ``inner``; fp32's range, so ``scale`` is rarely needed."""
+    """Send gradients as bf16 through ``inner``; fp32's range, so ``scale`` is rarely needed.
+
+    As :func:`fp16_compress`: at ``scale=1`` DDP receives the bf16 wire and casts it back.
+    """
     return _cast_hook("bf16_compress", torch.bfloat16, inner, scale)
 
 
