@@ -58,3 +58,44 @@ def test_inner_cast_decodes_into_its_buffer() -> None:
     # nor does a SubBucket inherit the flag from its parent
     sub.wire_ok = True
     assert _wire.rebase(sub, bucket.buf.clone()).wire_ok is False
+
+
+_ONE_RANK_DDP = """
+import torch
+import torch.distributed as dist
+from aiak import comm
+dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                        device_id=torch.device("cuda", 0))
+x = torch.randn(64, 256, device="cuda")
+def grads(hook, view):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 8)).cuda()
+    ddp = torch.nn.parallel.DistributedDataParallel(net, gradient_as_bucket_view=view)
+    if hook is not None:
+        comm.register(ddp, hook)
+    for _ in range(3):  # DDP rebuilds its buckets at step 1
+        ddp.zero_grad()
+        ddp(x).square().mean().backward()
+    assert all(p.grad.dtype == torch.float32 for p in net.parameters())
+    return torch.cat([p.grad.flatten() for p in net.parameters()])
+for view in (False, True):
+    ref = grads(None, view)
+    for make, dtype in ((comm.fp16_compress, torch.float16), (comm.bf16_compress, torch.bfloat16)):
+        got = grads(make(), view)
+        assert torch.equal(got, ref.to(dtype).float()), (view, dtype)
+print("ok")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.cuda
+def test_ddp_on_cuda_casts_the_wire_back_into_fp32_gradients() -> None:
+    # One NCCL rank (the collective is the identity): what comes back is exactly the wire,
+    # i.e. the gradients rounded to fp16/bf16, in fp32 .grad tensors, with and without
+    # gradient_as_bucket_view. A process of its own: it sets up a default process group.
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-c", _ONE_RANK_DDP], capture_output=True, text=True, timeout=240
+    )
+    assert out.returncode == 0 and "ok" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
