@@ -7,6 +7,13 @@ Decode: wire -> fp32 bucket, times ``1/scale`` computed in fp32 (torch: ``torch.
 factor_fp32_tensor, out=g)``, the broadcasting TensorIterator path). 16M elements is one
 Linear(4096, 4096) weight (a 64 MB DDP bucket). "% copy" = bytes read + written / GPU time
 over the device-to-device copy bandwidth of the same run; "host_us" = host time per call.
+
+``--hooks`` adds the GPU work each fp16 DDP hook puts on one bucket besides the allreduce,
+DDP's copy of the result into the gradients included, against no hook (that copy alone):
+torch's ``fp16_compress_hook`` (cast, ``div_`` by the world size, cast back), aiak's
+``fp16_compress()`` (cast; DDP's copy reads the fp16 wire) and ``fp16_compress(scale=10)``
+(the two torch ``mul`` calls its encode and decode are). Times 12 buckets, this is the GPU part
+of the overhead bench_comm_nccl.py measures on the 12 x Linear(4096) step.
 """
 
 from __future__ import annotations
@@ -54,9 +61,53 @@ def _cases(n: int, wire_dtype: torch.dtype):
     )
 
 
+def _hook_pipelines(n: int, world: int = 2):
+    """(name, fn): each hook's GPU work on one bucket of ``n`` fp32 elements, allreduce left out
+    (what it sends is the same size for all three fp16 hooks)."""
+    bucket = torch.randn(n, device="cuda") * 1e-3
+    grad = torch.empty(n, device="cuda")
+    wire = torch.empty(n, dtype=torch.float16, device="cuda")
+    factor = torch.full((1,), 1.0 / SCALE, device="cuda")
+
+    def torch_hook() -> None:
+        w = bucket.to(torch.float16).div_(world)
+        bucket.copy_(w)
+        grad.copy_(bucket)
+
+    def aiak_scale1() -> None:
+        wire.copy_(bucket)
+        grad.copy_(wire)
+
+    def aiak_scale10() -> None:
+        torch.mul(bucket, SCALE, out=wire)
+        torch.mul(wire, factor, out=bucket)
+        grad.copy_(bucket)
+
+    return [
+        ("no hook (DDP copy)", lambda: grad.copy_(bucket)),
+        ("torch fp16_compress_hook", torch_hook),
+        ("aiak fp16_compress()", aiak_scale1),
+        ("aiak fp16_compress(scale=10)", aiak_scale10),
+    ]
+
+
+def hooks_table(n: int, buckets: int = 12) -> list[dict]:
+    rows = []
+    for name, fn in _hook_pipelines(n):
+        gpu = time_graph(fn)
+        ms = gpu[1] if gpu else time_pipelined(fn)[1]
+        rows.append({"n": n, "hook": name, "bucket_us": ms * 1e3})
+    base = rows[0]["bucket_us"]
+    for r in rows:
+        r["extra_us"] = r["bucket_us"] - base
+        r[f"extra_ms_x{buckets}"] = r["extra_us"] * buckets / 1e3
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="16777216,6553600,1048576")
+    p.add_argument("--hooks", action="store_true", help="also each fp16 hook's GPU work per bucket")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_cast_scale: needs a CUDA GPU", file=sys.stderr)
@@ -95,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
             "torch_host_us",
         ],
     )
+    if args.hooks:
+        rows = hooks_table(int(args.sizes.split(",")[0]))
+        append_csv("cast_scale_hooks", rows)
+        print_table(rows, list(rows[0]))
     return 0
 
 
