@@ -122,13 +122,14 @@ def check_parity(results: dict) -> None:
     }
     # The same trees on aiak's worker thread (the default for CUDA buckets, forced here on
     # gloo): same results, collectives in the same order on every rank.
-    for name in ("allreduce", "fp16", "hier_fp16_outer", "nan_hier_powersgd_full"):
+    for name in ("allreduce", "fp16", "fp16_scale1", "hier_fp16_outer", "nan_hier_powersgd_full"):
         hooks[f"{name}+offload"] = hooks[name]
     # Buckets coalesced into fewer collective calls (the last call of a step is partial).
     hooks["nan_fp16"] = lambda: comm.nan_check(comm.fp16_compress(scale=10))
     coalesced = {
         "allreduce+coalesce2": ("allreduce", 2),
         "fp16+coalesce3": ("fp16", 3),
+        "fp16_scale1+coalesce3": ("fp16_scale1", 3),  # held buckets settle with the wire
         "multi_stream+coalesce2": ("multi_stream", 2),
         "nan_fp16+coalesce2+offload": ("nan_fp16", 2),
         "hier_fp16_outer+coalesce2": ("hier_fp16_outer", 2),  # ignored, with a warning

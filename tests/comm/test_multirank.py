@@ -50,6 +50,7 @@ TOL = {
     "nan_hier_powersgd_full": 1e-5,
 }
 TOL.update({f"{k}+offload": TOL[k] for k in ("allreduce", "fp16", "hier_fp16_outer")})
+TOL["fp16_scale1+offload"] = 1e-3
 TOL["nan_hier_powersgd_full+offload"] = TOL["nan_hier_powersgd_full"]
 TOL["nan_fp16"] = TOL["fp16"]
 TOL.update(
@@ -61,6 +62,7 @@ TOL.update(
         "hier_fp16_outer+coalesce2": 1e-3,
         "fp16_scale1": 1e-3,
         "fp16_scale1+view": 1e-3,
+        "fp16_scale1+coalesce3": 1e-3,
         "fp16+view": 1e-3,
         "bf16+view": 1e-2,
     }
