@@ -41,17 +41,20 @@ def cast_model(model: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool) 
     seen: set[int] = set()
     with torch.no_grad():
         for module in model.modules():
-            if keep_batchnorm_fp32 and isinstance(module, nn.modules.batchnorm._BatchNorm):
-                continue
+            # BatchNorm is fp32 whatever the model's dtype was (a float64 model too: its
+            # float64 BatchNorm next to fp16 layers fails the first forward with mixed dtypes).
+            keep = keep_batchnorm_fp32 and isinstance(module, nn.modules.batchnorm._BatchNorm)
+            to = torch.float32 if keep else dtype
             for p in module._parameters.values():
                 if p is None or id(p) in seen or not p.is_floating_point():
                     continue
                 seen.add(id(p))
-                p.data = p.data.to(dtype)
-                p.grad = None
+                if p.dtype != to:
+                    p.data = p.data.to(to)
+                    p.grad = None
             for name, b in module._buffers.items():
-                if b is not None and b.is_floating_point():
-                    module._buffers[name] = b.to(dtype)
+                if b is not None and b.is_floating_point() and b.dtype != to:
+                    module._buffers[name] = b.to(to)
 
 
 # Why the decorated model runs with autocast off: users keep the stock loop, ``with

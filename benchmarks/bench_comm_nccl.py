@@ -253,8 +253,7 @@ def main() -> int:
         if args.csv:
             append_csv(args.csv, rows)
     failed = any(r["check"] == "FAIL" for r in rows)
-    dist.destroy_process_group()
-    return 1 if failed else 0
+    comm.exit_rank(1 if failed else 0)
 
 
 if __name__ == "__main__":

@@ -113,7 +113,7 @@ def worker(args: argparse.Namespace) -> None:
             )
     if rank == 0:
         Path(args.out).write_text(json.dumps(rows))
-    dist.destroy_process_group()
+    comm.exit_rank(0)
 
 
 def formula(mode: str, model, world: int, nodes: int) -> float:

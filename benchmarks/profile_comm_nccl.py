@@ -279,8 +279,7 @@ def main() -> int:
             )
             if r["phases"]:
                 print(f"{'':<24} phases (median per call): {r['phases']}")
-    dist.destroy_process_group()
-    return 0
+    comm.exit_rank(0)
 
 
 if __name__ == "__main__":

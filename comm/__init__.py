@@ -27,6 +27,7 @@ from .hooks import (
     multi_stream,
     nan_check,
 )
+from .lifecycle import exit_rank, shutdown
 from .powersgd import PowerSGDState, powersgd
 from .topology import Topology, topology
 
@@ -48,6 +49,7 @@ __all__ = [
     "bf16_compress",
     "bucket_cap_mb",
     "ddp",
+    "exit_rank",
     "fp16_compress",
     "from_env",
     "gloo_timeout",
@@ -57,5 +59,6 @@ __all__ = [
     "parse_env",
     "powersgd",
     "register",
+    "shutdown",
     "topology",
 ]

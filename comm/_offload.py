@@ -19,7 +19,9 @@ which is the same on every rank: the order gloo and NCCL match collectives by.
 from __future__ import annotations
 
 import atexit
+import os
 import queue
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -28,7 +30,7 @@ import torch
 
 from . import _wire
 
-__all__ = ["submit"]
+__all__ = ["stop", "submit"]
 
 Future = torch.futures.Future
 
@@ -57,27 +59,52 @@ def submit(run: Callable[[Any], Future], bucket: Any) -> Future:
 
 
 def _ensure_worker() -> None:
-    global _thread
+    global _thread, _atexit_registered
     if _thread is not None and _thread.is_alive():
         return
     with _lock:
         if _thread is None or not _thread.is_alive():
             _thread = threading.Thread(target=_work, name="aiak-comm-hooks", daemon=True)
             _thread.start()
-            atexit.register(_drain)
+            if not _atexit_registered:  # once per process, however often the worker restarts
+                atexit.register(_drain)
+                _atexit_registered = True
 
 
 DRAIN_SECONDS = 30.0
+_atexit_registered = False
+
+
+def stop(timeout: float = DRAIN_SECONDS) -> None:
+    """Let the worker finish what is queued, then end it and join it (``aiak.comm.shutdown``).
+
+    Idempotent; the next offloaded bucket starts a new worker. Raises ``CommError`` naming the
+    rank when the worker is still busy after ``timeout`` seconds.
+    """
+    global _thread
+    with _lock:
+        thread = _thread
+        if thread is None or not thread.is_alive():
+            _thread = None
+            return
+        _queue.put(None)
+        thread.join(timeout=timeout)
+        if thread.is_alive():
+            raise _wire.CommError(
+                f"aiak.comm: rank {os.environ.get('RANK', '?')}: the hook worker thread did not"
+                f" finish its queued buckets within {timeout:g} s"
+            )
+        _thread = None
 
 
 def _drain() -> None:
     """At exit, let the worker finish what is queued (bounded), then stop it: a daemon thread
     killed inside torch's C++ aborts the interpreter ("terminate called without an active
     exception")."""
-    thread = _thread
-    if thread is not None and thread.is_alive():
-        _queue.put(None)
-        thread.join(timeout=DRAIN_SECONDS)
+    try:
+        stop(DRAIN_SECONDS)
+    except _wire.CommError as exc:
+        print(f"aiak.comm: {exc}", file=sys.stderr)
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:

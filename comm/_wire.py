@@ -31,6 +31,11 @@ class CommError(RuntimeError):
     """A collective issued by an aiak.comm hook failed (peer died, timeout, bad input)."""
 
 
+# The longest timeout accepted: a year. gloo keeps it in milliseconds and timedelta refuses
+# values past ~2.7e6 years, so larger numbers (1e20, inf) could only overflow somewhere deeper.
+MAX_TIMEOUT_SECONDS = 365 * 24 * 3600.0
+
+
 def gloo_timeout() -> datetime.timedelta:
     """The collective timeout from ``GLOO_TIMEOUT_SECONDS`` (default 60 s, as Perseus)."""
     raw = os.environ.get("GLOO_TIMEOUT_SECONDS", "").strip()
@@ -40,8 +45,11 @@ def gloo_timeout() -> datetime.timedelta:
         seconds = float(raw)
     except ValueError:
         seconds = -1.0
-    if not seconds > 0:
-        raise ValueError(f"GLOO_TIMEOUT_SECONDS must be a positive number of seconds, got {raw!r}")
+    if not 1e-3 <= seconds <= MAX_TIMEOUT_SECONDS:  # also refuses nan and inf
+        raise ValueError(
+            "GLOO_TIMEOUT_SECONDS must be a number of seconds from 0.001 to "
+            f"{MAX_TIMEOUT_SECONDS:.0f} (a year), got {raw!r}"
+        )
     return datetime.timedelta(seconds=seconds)
 
 

@@ -31,7 +31,11 @@ __all__ = ["EnvConfig", "bucket_cap_mb", "ddp", "from_env", "parse_env", "regist
 
 def _get(env: Mapping[str, str], name: str) -> str | None:
     raw = env.get(name)
-    return None if raw is None or not raw.strip() else raw.strip()
+    if raw is None:
+        return None
+    if not isinstance(raw, str):
+        raise TypeError(f"{name} must be a string (an environment value), got {type(raw).__name__}")
+    return raw.strip() or None
 
 
 def _number(

@@ -99,6 +99,14 @@ class HookState:
         for c in self.children():
             c._new_step()
 
+    def release(self) -> None:
+        """Drop this state's run-time fields: process groups, links, pending futures, caches.
+
+        The settings and statistics stay; the next bucket (or ``register``) sets it up again.
+        ``aiak.comm.shutdown`` calls it on every state of a tree before the groups are destroyed.
+        """
+        self.__setstate__(self.__getstate__())
+
     def _slots(self) -> list[str]:
         return [n for cls in type(self).__mro__ for n in getattr(cls, "__slots__", ())]
 

@@ -15,6 +15,7 @@ torch's batched hook is not used: it raises AssertionError in torch 2.11.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -165,6 +166,9 @@ def powersgd(
     for name, v in (("rank", rank), ("start_iter", start_iter), ("seed", seed)):
         if isinstance(v, bool) or not isinstance(v, int):
             raise TypeError(f"powersgd: {name} must be an int, got {type(v).__name__}")
+    for name, v in (("error_feedback", error_feedback), ("warm_start", warm_start)):
+        if not isinstance(v, bool):
+            raise TypeError(f"powersgd: {name} must be a bool, got {type(v).__name__}")
     if rank < 1:
         raise ValueError(f"powersgd: rank must be >= 1, got {rank}")
     if start_iter < 0:
@@ -174,10 +178,11 @@ def powersgd(
             f"powersgd: start_iter must be > 1 with error_feedback or warm_start (got "
             f"{start_iter}): DDP rebuilds its buckets after the first step"
         )
-    if not min_compression_rate >= 0:
-        raise ValueError(f"powersgd: min_compression_rate must be >= 0, got {min_compression_rate}")
-    if not eps >= 0:
-        raise ValueError(f"powersgd: eps must be >= 0, got {eps}")
+    for name, v in (("min_compression_rate", min_compression_rate), ("eps", eps)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise TypeError(f"powersgd: {name} must be a number, got {type(v).__name__}")
+        if not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"powersgd: {name} must be finite and >= 0, got {v}")
     state = PowerSGDState(
         rank,
         start_iter,

@@ -141,6 +141,11 @@ def _gather_keys(key: str) -> list[str]:
     return [bytes(r).rstrip(b"\0").decode() for r in rows]
 
 
+def forget() -> None:
+    """Drop the cached topologies and the process groups they created (see ``shutdown``)."""
+    _CACHE.clear()
+
+
 def topology() -> Topology:
     """The world's topology, detected once per default process group (a collective)."""
     if not dist.is_initialized():

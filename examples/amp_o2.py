@@ -107,7 +107,10 @@ def main(argv: list[str] | None = None) -> float:
         print(f"loss {first:.4f} -> {last:.4f} ({dtype}, {device})")
     aiak.amp.uninstall()
     if distributed:
-        dist.destroy_process_group()
+        # DDP models let go of the group before it is destroyed (see aiak.comm.shutdown).
+        from aiak import comm
+
+        comm.shutdown()
     return last / first
 
 

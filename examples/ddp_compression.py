@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from aiak import comm
+
+TIMEOUT_S = 300
 
 
 def run(rank: int, world: int, per_node: int, port: int) -> None:
@@ -55,7 +58,7 @@ def run(rank: int, world: int, per_node: int, port: int) -> None:
                 f"step {step + 1:3d}  loss {loss.item():.4f}  "
                 f"sent intra {b['intra'] / 1e3:.1f} kB  inter {b['inter'] / 1e3:.1f} kB"
             )
-    dist.destroy_process_group()
+    comm.shutdown()  # releases the DDP model and hook state, then destroys the process group
 
 
 def main() -> None:
@@ -63,7 +66,21 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(run, args=(nodes * per_node, per_node, port), nprocs=nodes * per_node)
+    ctx = mp.start_processes(
+        run, args=(nodes * per_node, per_node, port), nprocs=nodes * per_node, join=False
+    )
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        # join() raises naming the rank if one fails; every rank is waited for with a limit
+        while not ctx.join(timeout=max(0.0, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ranks did not finish within {TIMEOUT_S} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return 0
 
 
 if __name__ == "__main__":

@@ -9,11 +9,8 @@ dtype in one spawn: starting 4 processes costs ~20 s on 2 cores, the hooks thems
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +19,7 @@ from torch import nn
 
 from aiak import comm
 from aiak.conformance.harness import Case, Spec, register
+from aiak.conformance.ranks import free_port, run_ranks
 
 WORLD, PER_NODE, CAP_MB = 4, 2, 0.002  # small buckets: several, with odd lengths
 _EXACT_PSGD = dict(
@@ -113,7 +111,8 @@ def _rank_main(rank: int, label: str, seed: int, port: int, out: str) -> None:
         grads.update({f"{hook}/{k}": v for k, v in _grads(model).items()})
     if rank == 0:
         torch.save(grads, out)
-    dist.destroy_process_group()
+    del model, ddp
+    comm.exit_rank(0)  # shutdown (DDP models released before the groups), then a hard exit
 
 
 def _specs(device: torch.device) -> list[Spec]:
@@ -151,31 +150,17 @@ _CHILD = (
 
 
 def _candidate(inputs: dict[str, Any], limit: float = 120.0) -> dict[str, torch.Tensor]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "grads.pt")
         args = [inputs["hook"], str(inputs["seed"]), str(port), out]
-        procs = [
-            subprocess.Popen(
-                [sys.executable, "-c", _CHILD, str(r), *args],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-            )
-            for r in range(WORLD)
-        ]
-        deadline = time.monotonic() + limit
-        try:
-            for p in procs:
-                _, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
-                if p.returncode:
-                    raise RuntimeError(f"comm case {inputs['hook']}: {err.decode()[-2000:]}")
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+        run_ranks(
+            lambda r: [sys.executable, "-c", _CHILD, str(r), *args],
+            WORLD,
+            limit=limit,
+            log_dir=tmp,
+            what=f"comm case {inputs['hook']}",
+        )
         return torch.load(out)
 
 

@@ -12,6 +12,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import aiak.amp as amp
+from aiak import comm
 
 STEPS = 3
 
@@ -49,7 +50,7 @@ def worker(rank: int, store: str, out_dir: str) -> None:
         )
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
-        dist.destroy_process_group()
+        comm.shutdown()  # DDP models released before the group is destroyed
 
 
 def train_ddp(

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import tempfile
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,6 +9,7 @@ from _amp_helpers import conv_net, flat, image_data, mlp
 from torch import nn
 
 import aiak.amp as amp
+from aiak import comm
 
 HALF = [torch.float16, torch.bfloat16]
 
@@ -98,15 +97,20 @@ def test_decorate_after_dataparallel_is_refused() -> None:
         amp.decorate(model, torch.optim.SGD(model.parameters(), lr=0.1))
 
 
-def test_decorate_after_ddp_is_refused() -> None:
-    with tempfile.NamedTemporaryFile() as store:
-        dist.init_process_group("gloo", init_method=f"file://{store.name}", rank=0, world_size=1)
-        try:
-            model = nn.parallel.DistributedDataParallel(mlp())
-            with pytest.raises(RuntimeError, match="call aiak_amp_decorate before DDP"):
-                amp.decorate(model, torch.optim.SGD(model.parameters(), lr=0.1))
-        finally:
-            dist.destroy_process_group()
+def test_decorate_after_ddp_is_refused(tmp_path) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        model = nn.parallel.DistributedDataParallel(mlp())
+        with pytest.raises(RuntimeError, match="call aiak_amp_decorate before DDP"):
+            amp.decorate(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    finally:
+        # The DDP model lets go of the group before it is destroyed: its C++ reducer dropping
+        # the last reference would join gloo's threads holding the GIL (a deadlock).
+        comm.shutdown()
+    with pytest.raises(RuntimeError, match="was shut down"):
+        model(torch.randn(2, 6))
 
 
 def test_decorating_twice_is_refused() -> None:

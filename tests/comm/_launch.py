@@ -2,26 +2,22 @@
 
 Each rank runs ``python tests/comm/_worker.py <suite> <out_dir>`` with torchrun's variables
 (RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, LOCAL_RANK) set so that ranks 2k, 2k+1 form
-node k. Ranks write ``rank<r>.json``; a rank that outlives the limit is killed, never waited on.
+node k. Ranks write ``rank<r>.json``. Every rank's exit is checked
+(``aiak.conformance.ranks.run_ranks``): one that aborts after writing its result still fails
+the test, naming the rank, its signal and its output.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
-import time
+from collections.abc import Collection
 from pathlib import Path
 
+from aiak.conformance.ranks import RanksFailed, free_port, run_ranks
+
 WORKER = Path(__file__).with_name("_worker.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn(
@@ -31,13 +27,15 @@ def spawn(
     per_node: int = 2,
     limit: float = 120.0,
     extra_env: dict[str, str] | None = None,
+    may_fail: Collection[int] = (),
 ) -> dict[int, dict]:
+    """Run the suite; returns each rank's results. ``may_fail``: ranks allowed a non-zero exit
+    (a suite that kills one on purpose); any other failure raises ``RanksFailed``."""
     world = nodes * per_node
     port = free_port()
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ)
-        env.update(
+
+    def env(rank: int) -> dict[str, str]:
+        e = dict(
             RANK=str(rank),
             WORLD_SIZE=str(world),
             LOCAL_WORLD_SIZE=str(per_node),
@@ -46,29 +44,24 @@ def spawn(
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
             OMP_NUM_THREADS="1",
-            GLOO_TIMEOUT_SECONDS=env.get("GLOO_TIMEOUT_SECONDS", "30"),
+            GLOO_TIMEOUT_SECONDS=os.environ.get("GLOO_TIMEOUT_SECONDS", "30"),
         )
-        env.update(extra_env or {})
-        log = open(out / f"rank{rank}.log", "w")  # noqa: SIM115 - closed below
-        procs.append(
-            (
-                subprocess.Popen(
-                    [sys.executable, str(WORKER), suite, str(out)],
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                ),
-                log,
-            )
-        )
-    deadline = time.monotonic() + limit
-    for p, log in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-        log.close()
+        e.update(extra_env or {})
+        return e
+
+    ranks = run_ranks(
+        lambda r: [sys.executable, str(WORKER), suite, str(out)],
+        world,
+        env=env,
+        limit=limit,
+        log_dir=out,
+        what=f"comm suite {suite!r}",
+        check=False,
+        grace=limit if may_fail else 10.0,
+    )
+    bad = [r for r in ranks if not r.ok and r.rank not in may_fail]
+    if bad:
+        raise RanksFailed(f"comm suite {suite!r}", ranks)
     results = {}
     for rank in range(world):
         f = out / f"rank{rank}.json"

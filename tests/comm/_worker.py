@@ -362,8 +362,9 @@ def main() -> None:
     finally:
         (out / f"rank{RANK}.json").write_text(json.dumps(results))
     if suite == "kill":
-        os._exit(0)  # the group is broken; destroying it could block on the dead peer
-    dist.destroy_process_group()
+        # The group is broken: a barrier or destroy could block on the dead peer.
+        os._exit(0)
+    comm.exit_rank(0)
 
 
 if __name__ == "__main__":

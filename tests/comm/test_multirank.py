@@ -165,7 +165,11 @@ def test_accumulate_equals_one_big_batch(ranks):
 def test_killed_rank_makes_the_others_raise_within_timeout(tmp_path):
     timeout = 10
     results = _launch.spawn(
-        "kill", tmp_path, limit=timeout + 40, extra_env={"GLOO_TIMEOUT_SECONDS": str(timeout)}
+        "kill",
+        tmp_path,
+        limit=timeout + 40,
+        extra_env={"GLOO_TIMEOUT_SECONDS": str(timeout)},
+        may_fail=(3,),
     )
     assert 3 not in results  # it died
     assert sorted(results) == [0, 1, 2], _launch.logs(tmp_path)
