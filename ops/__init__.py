@@ -73,3 +73,5 @@ def backends() -> dict[str, Any]:
 
 # Registers aiak::fused_adam_ / fused_sgd_ / fused_lamb_ (aiak.optim calls them when present).
 from aiak.ops import fused_optim  # noqa: E402, F401
+# Registers aiak::window_attention, roll_window_partition, window_merge_roll (Swin).
+from aiak.ops import window_attention  # noqa: E402, F401
