@@ -21,6 +21,7 @@ from aiak.ops import _cuda
 from aiak.ops._capability import CAPABILITIES, Capability
 from aiak.ops.cast import cast_scale_
 from aiak.ops.multi_tensor import multi_tensor_l2norm, multi_tensor_scale_
+from aiak.ops.window_attention import roll_window_partition, window_merge_roll  # noqa: F401
 
 __all__ = [
     "CAPABILITIES",
@@ -73,5 +74,3 @@ def backends() -> dict[str, Any]:
 
 # Registers aiak::fused_adam_ / fused_sgd_ / fused_lamb_ (aiak.optim calls them when present).
 from aiak.ops import fused_optim  # noqa: E402, F401
-# Registers aiak::window_attention, roll_window_partition, window_merge_roll (Swin).
-from aiak.ops import window_attention  # noqa: E402, F401

@@ -433,24 +433,24 @@ def _merge_cuda(windows: torch.Tensor, h: int, w: int, shift: int) -> torch.Tens
 # --------------------------------------------------------------------------------------------
 
 
-def _attention_fake(q, k, v, bias, mask, scale):  # noqa: ANN001, ANN202
+def _attention_fake(q, k, v, bias, mask, scale):
     _check_attention(q, k, v, bias, mask, scale)
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
-def _attention_backward_fake(dout, q, k, v, bias, mask, scale):  # noqa: ANN001, ANN202
+def _attention_backward_fake(dout, q, k, v, bias, mask, scale):
     _check_attention(q, k, v, bias, mask, scale)
     grads = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)]
     return (*grads, torch.empty_like(bias, memory_format=torch.contiguous_format))
 
 
-def _partition_fake(x, window, shift):  # noqa: ANN001, ANN202
+def _partition_fake(x, window, shift):
     _check_partition(x, window, shift)
     b, h, w, c = x.shape
     return x.new_empty((b * (h // window) * (w // window), window * window, c))
 
 
-def _merge_fake(windows, h, w, shift):  # noqa: ANN001, ANN202
+def _merge_fake(windows, h, w, shift):
     ws = _check_merge(windows, h, w, shift)
     b = windows.shape[0] // ((h // ws) * (w // ws))
     return windows.new_empty((b, h, w, windows.shape[2]))
@@ -491,13 +491,13 @@ MERGE_OP = define(
 )
 
 
-def _attention_setup(ctx, inputs, output) -> None:  # noqa: ANN001
+def _attention_setup(ctx, inputs, output) -> None:
     q, k, v, bias, mask, scale = inputs
     ctx.save_for_backward(q, k, v, bias, mask)
     ctx.scale = scale
 
 
-def _attention_backward(ctx, grad):  # noqa: ANN001, ANN202
+def _attention_backward(ctx, grad):
     q, k, v, bias, mask = ctx.saved_tensors
     dq, dk, dv, dbias = torch.ops.aiak.window_attention_backward(
         grad, q, k, v, bias, mask, ctx.scale
@@ -505,24 +505,24 @@ def _attention_backward(ctx, grad):  # noqa: ANN001, ANN202
     return dq, dk, dv, dbias, None, None
 
 
-def _partition_setup(ctx, inputs, output) -> None:  # noqa: ANN001
+def _partition_setup(ctx, inputs, output) -> None:
     x, _, shift = inputs
     ctx.hw = (x.shape[1], x.shape[2])
     ctx.shift = shift
 
 
-def _partition_backward(ctx, grad):  # noqa: ANN001, ANN202
+def _partition_backward(ctx, grad):
     h, w = ctx.hw
     return torch.ops.aiak.window_merge_roll(grad.contiguous(), h, w, ctx.shift), None, None
 
 
-def _merge_setup(ctx, inputs, output) -> None:  # noqa: ANN001
+def _merge_setup(ctx, inputs, output) -> None:
     windows, _, _, shift = inputs
     ctx.window = _window_size(windows)
     ctx.shift = shift
 
 
-def _merge_backward(ctx, grad):  # noqa: ANN001, ANN202
+def _merge_backward(ctx, grad):
     x = torch.ops.aiak.roll_window_partition(grad.contiguous(), ctx.window, ctx.shift)
     return x, None, None, None
 
@@ -572,7 +572,7 @@ def roll_window_partition(x: torch.Tensor, window: int, shift: int = 0) -> torch
     return PARTITION_OP(x, window, shift)
 
 
-def window_merge_roll(windows: torch.Tensor, H: int, W: int, shift: int = 0) -> torch.Tensor:  # noqa: N803
+def window_merge_roll(windows: torch.Tensor, H: int, W: int, shift: int = 0) -> torch.Tensor:
     """The inverse of :func:`roll_window_partition`: windows back to ``[B, H, W, C]``, then
     ``torch.roll`` by ``+shift``."""
     return MERGE_OP(windows, H, W, shift)
