@@ -557,6 +557,13 @@ def window_attention(
     ``[nW, N, N]`` of any float dtype (fp32 under autocast); ``scale`` defaults to
     ``D ** -0.5``. Differentiable in q, k, v and bias; the mask must not require grad.
     """
+    for name, t in (("q", q), ("k", k), ("v", v), ("bias", bias)):  # before the dispatcher's
+        if not isinstance(t, torch.Tensor):  # own, unnamed error
+            raise TypeError(f"window_attention: {name} must be a Tensor, got {type(t).__name__}")
+    if mask is not None and not isinstance(mask, torch.Tensor):
+        raise TypeError(
+            f"window_attention: mask must be a Tensor or None, got {type(mask).__name__}"
+        )
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if isinstance(mask, torch.Tensor) and mask.requires_grad:
@@ -569,10 +576,20 @@ def window_attention(
 def roll_window_partition(x: torch.Tensor, window: int, shift: int = 0) -> torch.Tensor:
     """``[B, H, W, C]`` -> ``[B*nW, window*window, C]``: ``torch.roll`` by ``-shift`` on H and W,
     then Swin's window partition, in one gather."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"roll_window_partition: x must be a Tensor, got {type(x).__name__}")
+    _check_geometry("roll_window_partition", 1, 1, 1, shift)
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise ValueError(f"roll_window_partition: window must be a positive int, got {window!r}")
     return PARTITION_OP(x, window, shift)
 
 
 def window_merge_roll(windows: torch.Tensor, H: int, W: int, shift: int = 0) -> torch.Tensor:
     """The inverse of :func:`roll_window_partition`: windows back to ``[B, H, W, C]``, then
     ``torch.roll`` by ``+shift``."""
+    if not isinstance(windows, torch.Tensor):
+        raise TypeError(
+            f"window_merge_roll: windows must be a Tensor, got {type(windows).__name__}"
+        )
+    _check_geometry("window_merge_roll", 1, 1, 1, shift)
     return MERGE_OP(windows, H, W, shift)
