@@ -86,7 +86,7 @@ def _pair(value: Any) -> tuple[int, int]:
 
 def _fused_block_attn(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """timm's ``SwinTransformerBlock._attn`` (x ``[B, H, W, C]``) with one gather each way."""
-    _, h, w, c = x.shape
+    _, h, w, _c = x.shape
     ws, _ = _pair(self.window_size)
     shift, _ = _pair(self.shift_size)
     if h % ws or w % ws:  # timm pads such maps: its own path handles them

@@ -29,7 +29,7 @@ from aiak.ops.window_attention import roll_window_partition, window_attention, w
 def literal_attention(q, k, v, bias, mask, scale):
     q, k, v, bias = (t.double() for t in (q, k, v, bias))
     out = torch.empty_like(q)
-    windows, heads, n, _ = q.shape
+    windows, heads, _n, _ = q.shape
     for b in range(windows):
         for h in range(heads):
             s = scale * q[b, h] @ k[b, h].T + bias[h]
@@ -40,7 +40,7 @@ def literal_attention(q, k, v, bias, mask, scale):
 
 
 def literal_partition(x, ws, shift):
-    b, h, w, c = x.shape
+    b, h, w, _c = x.shape
     out = []
     for bi in range(b):
         for wh in range(h // ws):
@@ -267,7 +267,7 @@ class WindowAttention(nn.Module):
         self.attn_drop, self.proj_drop = nn.Dropout(attn_drop), nn.Dropout(0.0)
 
     def forward(self, x, mask=None):
-        b_, n, c = x.shape
+        b_, n, _c = x.shape
         q, k, v = self.qkv(x).reshape(b_, n, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
         attn = (q * self.scale) @ k.transpose(-2, -1)
         bias = self.relative_position_bias_table[self.relative_position_index.view(-1)]
@@ -347,7 +347,7 @@ def test_convert_leaves_attention_dropout_unfused():
     with pytest.warns(RuntimeWarning, match="attention dropout"):
         _, conv = _pair_models(attn_drop=0.1)
     assert not any(isinstance(m, swin.FusedWindowAttention) for m in conv.modules())
-    with pytest.raises(TypeError, match="nn.Module"):
+    with pytest.raises(TypeError, match=r"nn\.Module"):
         swin.convert("model")
 
 
