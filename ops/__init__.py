@@ -21,6 +21,7 @@ from aiak.ops import _cuda
 from aiak.ops._capability import CAPABILITIES, Capability
 from aiak.ops.cast import cast_scale_
 from aiak.ops.multi_tensor import multi_tensor_l2norm, multi_tensor_scale_
+from aiak.ops.window_attention import roll_window_partition, window_merge_roll  # noqa: F401
 
 __all__ = [
     "CAPABILITIES",

@@ -1,0 +1,151 @@
+"""aiak::window_attention vs timm's unfused maths vs SDPA with the bias + mask materialised.
+
+    python benchmarks/bench_window_attention.py [--batches 64,8] [--dtype float16] [--no-e2e]
+
+Swin-T's four stages (heads 3/6/12/24, windows per image 64/16/4/1, N = 49, D = 32), shifted
+window mask on. Forward and forward + backward, GPU time from CUDA-graph replay (pipelined
+time where a path cannot be captured). "floor us": the bytes of q, k, v and out at the copy
+bandwidth measured in this run; "% floor" = floor / ours. The end-to-end rows (timm importable):
+a swin_tiny_patch4_window7_224 training step (batch 64, fp16 autocast, SGD) with
+``aiak.ops.swin.convert`` vs without. Rows go to benchmarks/results/window_attention.csv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import torch.nn.functional as F
+from _harness import append_csv, copy_bandwidth, print_table, time_graph, time_pipelined
+
+from aiak.ops import swin
+from aiak.ops.window_attention import window_attention
+
+STAGES = (("stage1", 3, 64), ("stage2", 6, 16), ("stage3", 12, 4), ("stage4", 24, 1))
+N, D = 49, 32
+
+
+def _unfused(q, k, v, bias, mask, scale):
+    windows, heads, n, _ = q.shape
+    attn = (q * scale) @ k.transpose(-2, -1) + bias.unsqueeze(0)
+    nw = mask.shape[0]
+    attn = attn.view(windows // nw, nw, heads, n, n) + mask.unsqueeze(1).unsqueeze(0)
+    return attn.view(windows, heads, n, n).softmax(-1).to(v.dtype) @ v
+
+
+def _sdpa(q, k, v, bias, mask, scale):
+    windows, heads, n, _ = q.shape
+    nw = mask.shape[0]
+    full = (bias.unsqueeze(0).unsqueeze(0) + mask.unsqueeze(1).unsqueeze(0)).to(q.dtype)
+    full = full.expand(windows // nw, nw, heads, n, n).reshape(windows, heads, n, n)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=full, scale=scale)
+
+
+def _ours(q, k, v, bias, mask, scale):
+    return window_attention(q, k, v, bias, mask, scale)
+
+
+def _time(fn) -> float:
+    t = time_graph(fn)
+    if t is None:
+        t = time_pipelined(fn)
+    return t[1] * 1e3  # p50 in us
+
+
+def _measure(fn, args, dout) -> tuple[float, float]:
+    """(forward, forward + backward) microseconds of ``fn(*args)``."""
+    with torch.no_grad():
+        fwd = _time(lambda: fn(*args))
+    fwdbwd = _time(lambda: fn(*args).backward(dout))
+    for t in args[:4]:
+        t.grad = None
+    return fwd, fwdbwd
+
+
+def _kernel_rows(batches, dtype, bw):
+    rows = []
+    for batch in batches:
+        for label, heads, nw in STAGES:
+            windows = batch * nw
+            q, k, v = (
+                torch.randn(windows, heads, N, D, device="cuda", dtype=dtype).requires_grad_()
+                for _ in range(3)
+            )
+            bias = torch.randn(heads, N, N, device="cuda", requires_grad=True)
+            mask = torch.where(torch.rand(nw, N, N, device="cuda") < 0.3, -100.0, 0.0)
+            dout = torch.randn_like(q)
+            scale = D**-0.5
+            floor_us = 4 * q.numel() * q.element_size() / bw * 1e6
+            row = {"batch": batch, "stage": label, "dtype": str(dtype)[6:], "floor_us": floor_us}
+            for name, fn in (("ours", _ours), ("unfused", _unfused), ("sdpa", _sdpa)):
+                fwd, fwdbwd = _measure(fn, (q, k, v, bias, mask, scale), dout)
+                row[f"{name}_fwd_us"], row[f"{name}_fwdbwd_us"] = fwd, fwdbwd
+            row["fwd_x_sdpa"] = row["sdpa_fwd_us"] / row["ours_fwd_us"]
+            row["fwdbwd_x_sdpa"] = row["sdpa_fwdbwd_us"] / row["ours_fwdbwd_us"]
+            row["fwd_x_unfused"] = row["unfused_fwd_us"] / row["ours_fwd_us"]
+            row["fwd_pct_floor"] = 100 * floor_us / row["ours_fwd_us"]
+            rows.append(row)
+    return rows
+
+
+def _e2e_rows():
+    try:
+        import timm
+    except ImportError:
+        print("timm not importable: no end-to-end rows", file=sys.stderr)
+        return []
+    rows = []
+    x = torch.randn(64, 3, 224, 224, device="cuda")
+    y = torch.randint(0, 1000, (64,), device="cuda")
+    for variant in ("timm", "timm + convert"):
+        torch.manual_seed(0)
+        model = timm.create_model("swin_tiny_patch4_window7_224", pretrained=False).cuda()
+        if variant != "timm":
+            swin.convert(model)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+        scaler = torch.amp.GradScaler("cuda")
+
+        def step(model=model, opt=opt, scaler=scaler):
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = F.cross_entropy(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+
+        t = time_pipelined(step, calls=10, reps=5)
+        rows.append({"stage": "e2e swin_tiny b64 O1 step", "variant": variant, "ms": t[1]})
+        del model, opt
+    rows[1]["x_vs_timm"] = rows[0]["ms"] / rows[1]["ms"]
+    return rows
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 1
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batches", default="64,8")
+    parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"))
+    parser.add_argument("--no-e2e", action="store_true")
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    bw = copy_bandwidth() * 1e9
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+    rows = _kernel_rows(batches, getattr(torch, args.dtype), bw)
+    append_csv("window_attention", [{"copy_TBps": bw / 1e12, **r} for r in rows])
+    cols = ["batch", "stage", "floor_us", "ours_fwd_us", "unfused_fwd_us", "sdpa_fwd_us"]
+    cols += ["ours_fwdbwd_us", "unfused_fwdbwd_us", "sdpa_fwdbwd_us", "fwd_pct_floor"]
+    cols += ["fwd_x_sdpa", "fwdbwd_x_sdpa"]
+    print_table(rows, cols)
+    if not args.no_e2e:
+        e2e = _e2e_rows()
+        if e2e:
+            append_csv("window_attention", e2e)
+            print_table(e2e, ["stage", "variant", "ms", "x_vs_timm"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,525 @@
+"""aiak::window_attention, roll_window_partition, window_merge_roll and aiak.ops.swin.convert.
+
+CPU: the reference against a literal float64 implementation, gradients (gradcheck), input
+errors, the fallback path, opcheck, torch.compile, autocast and pure-half models through
+``convert`` on a module written with timm's attribute names. ``cuda``: the kernels against the
+reference, and a real timm model when timm is installed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import aiak.ops  # noqa: F401
+from aiak.ops import swin
+from aiak.ops import window_attention as wa
+from aiak.ops.window_attention import roll_window_partition, window_attention, window_merge_roll
+
+# ------------------------------------------------------------------------------------------
+# literal float64 implementations, loop by loop
+# ------------------------------------------------------------------------------------------
+
+
+def literal_attention(q, k, v, bias, mask, scale):
+    q, k, v, bias = (t.double() for t in (q, k, v, bias))
+    out = torch.empty_like(q)
+    windows, heads, _n, _ = q.shape
+    for b in range(windows):
+        for h in range(heads):
+            s = scale * q[b, h] @ k[b, h].T + bias[h]
+            if mask is not None:
+                s = s + mask[b % mask.shape[0]].double()
+            out[b, h] = torch.softmax(s, -1) @ v[b, h]
+    return out
+
+
+def literal_partition(x, ws, shift):
+    b, h, w, _c = x.shape
+    out = []
+    for bi in range(b):
+        for wh in range(h // ws):
+            for ww in range(w // ws):
+                tokens = [
+                    x[bi, (wh * ws + r + shift) % h, (ww * ws + cc + shift) % w]
+                    for r in range(ws)
+                    for cc in range(ws)
+                ]
+                out.append(torch.stack(tokens))
+    return torch.stack(out)
+
+
+def swin_mask(h, w, ws, shift):
+    """Swin's shifted-window mask (0 / -100), [nW, ws*ws, ws*ws]."""
+    img = torch.zeros(1, h, w, 1)
+    cnt = 0
+    for hs in (slice(0, -ws), slice(-ws, -shift), slice(-shift, None)):
+        for wsl in (slice(0, -ws), slice(-ws, -shift), slice(-shift, None)):
+            img[:, hs, wsl, :] = cnt
+            cnt += 1
+    win = literal_partition(img, ws, 0).view(-1, ws * ws)
+    diff = win.unsqueeze(1) - win.unsqueeze(2)
+    return diff.masked_fill(diff != 0, -100.0).masked_fill(diff == 0, 0.0)
+
+
+def inputs(windows, heads, n, d, nw=None, dtype=torch.float64, device="cpu", gen_seed=0):
+    g = torch.Generator().manual_seed(gen_seed)
+    q, k, v = (torch.randn(windows, heads, n, d, generator=g).to(device, dtype) for _ in "qkv")
+    bias = torch.randn(heads, n, n, generator=g).to(device, dtype)
+    mask = None
+    if nw is not None:
+        mask = torch.where(torch.rand(nw, n, n, generator=g) < 0.3, -100.0, 0.0).to(device)
+    return q, k, v, bias, mask
+
+
+# ------------------------------------------------------------------------------------------
+# reference
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("nw", [None, 1, 4])
+def test_reference_matches_literal(nw):
+    q, k, v, bias, mask = inputs(8, 3, 9, 4, nw)
+    out = window_attention(q, k, v, bias, mask, 0.37)
+    torch.testing.assert_close(out, literal_attention(q, k, v, bias, mask, 0.37))
+
+
+def test_reference_half_computes_in_fp32():
+    q, k, v, bias, mask = inputs(4, 2, 7, 8, 2, dtype=torch.bfloat16)
+    out = window_attention(q, k, v, bias, mask, 0.5)
+    assert out.dtype == torch.bfloat16
+    exact = literal_attention(q, k, v, bias, mask, 0.5)
+    # one bf16 rounding of the result: relative error ~ 2^-9
+    assert (out.double() - exact).norm() / exact.norm() < 4e-3
+
+
+def test_default_scale_is_head_dim_rsqrt():
+    q, k, v, bias, _ = inputs(2, 1, 5, 16)
+    torch.testing.assert_close(
+        window_attention(q, k, v, bias), literal_attention(q, k, v, bias, None, 0.25)
+    )
+
+
+@pytest.mark.parametrize("nw", [None, 2])
+def test_gradcheck(nw):
+    q, k, v, bias, mask = inputs(4, 2, 5, 3, nw)
+    args = [t.requires_grad_() for t in (q, k, v, bias)]
+    assert torch.autograd.gradcheck(lambda *a: window_attention(*a, mask, 0.7), args)
+
+
+def test_backward_op_matches_autograd_of_literal():
+    q, k, v, bias, mask = inputs(6, 2, 7, 4, 3)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+    dout = torch.randn(q.shape, dtype=torch.float64)
+    literal_attention(*leaves, mask, 0.4).backward(dout)
+    grads = torch.ops.aiak.window_attention_backward(dout, q, k, v, bias, mask, 0.4)
+    for got, leaf in zip(grads, leaves):
+        torch.testing.assert_close(got, leaf.grad)
+
+
+def test_bias_gradient_in_fp32_with_half_inputs_under_autocast_dtypes():
+    # autocast hands the op half q/k/v and an fp32 bias: the bias grad stays fp32
+    q, k, v, _, mask = inputs(4, 2, 5, 8, 2, dtype=torch.bfloat16)
+    bias = torch.randn(2, 5, 5, requires_grad=True)
+    window_attention(q, k, v, bias, mask, 0.3).float().sum().backward()
+    assert bias.grad.dtype == torch.float32 and torch.isfinite(bias.grad).all()
+
+
+# ------------------------------------------------------------------------------------------
+# partition / merge
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("ws", "shift"), [(7, 0), (7, 3), (4, 2), (2, 5)])
+def test_partition_matches_literal_and_merge_inverts(ws, shift):
+    x = torch.randn(2, 4 * ws, 2 * ws, 5)
+    win = roll_window_partition(x, ws, shift)
+    torch.testing.assert_close(win, literal_partition(x, ws, shift), rtol=0, atol=0)
+    torch.testing.assert_close(window_merge_roll(win, 4 * ws, 2 * ws, shift), x, rtol=0, atol=0)
+
+
+def test_partition_gradients():
+    x = torch.randn(1, 8, 4, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: roll_window_partition(t, 4, 1), (x,))
+    w = torch.randn(2, 16, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: window_merge_roll(t, 8, 4, 1), (w,))
+
+
+# ------------------------------------------------------------------------------------------
+# errors and fallbacks
+# ------------------------------------------------------------------------------------------
+
+
+def test_bad_inputs_name_the_argument():
+    q, k, v, bias, mask = inputs(4, 2, 5, 8, 2, dtype=torch.float32)
+    cases = [
+        ((q[0], k, v, bias, None), ValueError, "q must be"),
+        ((q, k[:, :1], v, bias, None), ValueError, "k has shape"),
+        ((q, k, v.half(), bias, None), TypeError, "v has dtype"),
+        ((q, k, v, bias[:1], None), ValueError, "bias must be"),
+        ((q, k, v, bias, mask[:, :3]), ValueError, "mask must be"),
+        ((q, k, v, bias, torch.zeros(3, 5, 5)), ValueError, "does not divide"),
+        ((q, k, v.int(), bias, None), TypeError, "v has dtype"),
+        ((q, k, v, "bias", None), TypeError, "bias must be a Tensor"),
+    ]
+    for args, exc, text in cases:
+        with pytest.raises(exc, match=text):
+            window_attention(*args, 0.3)
+    with pytest.raises(TypeError, match="scale"):
+        window_attention(q, k, v, bias, None, "x")
+    with pytest.raises(ValueError, match="mask must not require grad"):
+        window_attention(q, k, v, bias, mask.requires_grad_(), 0.3)
+    x = torch.randn(1, 14, 14, 3)
+    with pytest.raises(ValueError, match="multiples of window"):
+        roll_window_partition(x, 5, 0)
+    with pytest.raises(ValueError, match="shift"):
+        roll_window_partition(x, 7, -1)
+    with pytest.raises(ValueError, match="x must be"):
+        roll_window_partition(x[0], 7, 0)
+    with pytest.raises(ValueError, match="not a square"):
+        window_merge_roll(torch.randn(4, 10, 3), 14, 14, 0)
+    with pytest.raises(ValueError, match="not a multiple"):
+        window_merge_roll(torch.randn(3, 49, 3), 14, 14, 0)
+
+
+def test_unsupported_shapes_are_named():
+    q = torch.empty(1, 1, 144, 48)
+    assert wa._shape_reasons(q) == [
+        "window_attention: N = 144 tokens per window > 64",
+        "window_attention: head_dim 48 not in (32, 64)",
+    ]
+    assert wa._shape_reasons(torch.empty(1, 1, 49, 32)) == []
+
+
+def test_cuda_entry_on_cpu_falls_back_with_one_warning():
+    q, k, v, bias, mask = inputs(4, 2, 5, 8, 2, dtype=torch.float16)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        a = wa._attention_cuda(q, k, v, bias, mask, 0.3)
+        b = wa._attention_cuda(q, k, v, bias, mask, 0.3)
+    relevant = [w for w in rec if "window_attention" in str(w.message)]
+    assert len(relevant) <= 1  # once per process (an earlier test may have used it up)
+    torch.testing.assert_close(a, wa._attention_reference(q, k, v, bias, mask, 0.3))
+    torch.testing.assert_close(a, b)
+
+
+# ------------------------------------------------------------------------------------------
+# opcheck and torch.compile
+# ------------------------------------------------------------------------------------------
+
+
+def _opcheck_samples(device, dtype):
+    q, k, v, bias, mask = inputs(4, 2, 7, 32, 2, dtype=dtype, device=device)
+    strided = torch.randn(4, 7, 3, 2, 32, dtype=dtype, device=device).permute(2, 0, 3, 1, 4)
+    qs, ks, vs = strided.unbind(0)
+    return [
+        (q, k, v, bias, mask, 0.3),
+        (q, k, v, bias, None, 0.3),
+        (qs, ks, vs, bias, mask, 0.2),
+    ]
+
+
+def _opcheck_all(device, dtype):
+    for q, k, v, bias, mask, scale in _opcheck_samples(device, dtype):
+        grads = [t.detach().clone().requires_grad_() for t in (q, k, v, bias)]
+        torch.library.opcheck(torch.ops.aiak.window_attention.default, (*grads, mask, scale))
+        dout = torch.randn_like(q)
+        torch.library.opcheck(
+            torch.ops.aiak.window_attention_backward.default, (dout, q, k, v, bias, mask, scale)
+        )
+    x = torch.randn(2, 14, 7, 6, dtype=dtype, device=device, requires_grad=True)
+    torch.library.opcheck(torch.ops.aiak.roll_window_partition.default, (x, 7, 3))
+    w = torch.randn(4, 49, 6, dtype=dtype, device=device, requires_grad=True)
+    torch.library.opcheck(torch.ops.aiak.window_merge_roll.default, (w, 14, 7, 3))
+
+
+def test_opcheck_cpu():
+    _opcheck_all("cpu", torch.float32)
+
+
+# ------------------------------------------------------------------------------------------
+# convert() on modules written with timm's attribute names and maths
+# ------------------------------------------------------------------------------------------
+
+
+def rel_index(ws):
+    coords = torch.stack(torch.meshgrid(torch.arange(ws), torch.arange(ws), indexing="ij"))
+    flat = coords.flatten(1)
+    rel = (flat[:, :, None] - flat[:, None, :]).permute(1, 2, 0) + (ws - 1)
+    return rel[:, :, 0] * (2 * ws - 1) + rel[:, :, 1]
+
+
+class WindowAttention(nn.Module):
+    """timm's attribute names, the stock (unfused) maths."""
+
+    def __init__(self, dim, heads, ws, attn_drop=0.0):
+        super().__init__()
+        self.num_heads, self.window_size, self.scale = heads, (ws, ws), (dim // heads) ** -0.5
+        self.window_area = ws * ws
+        self.relative_position_bias_table = nn.Parameter(torch.randn((2 * ws - 1) ** 2, heads))
+        self.register_buffer("relative_position_index", rel_index(ws), persistent=False)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.attn_drop, self.proj_drop = nn.Dropout(attn_drop), nn.Dropout(0.0)
+
+    def forward(self, x, mask=None):
+        b_, n, _c = x.shape
+        q, k, v = self.qkv(x).reshape(b_, n, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        attn = (q * self.scale) @ k.transpose(-2, -1)
+        bias = self.relative_position_bias_table[self.relative_position_index.view(-1)]
+        attn = attn + bias.view(n, n, -1).permute(2, 0, 1).unsqueeze(0)
+        if mask is not None:
+            nw = mask.shape[0]
+            attn = attn.view(-1, nw, self.num_heads, n, n) + mask.unsqueeze(1).unsqueeze(0)
+            attn = attn.view(-1, self.num_heads, n, n)
+        attn = self.attn_drop(attn.softmax(-1))
+        return self.proj_drop(self.proj((attn @ v).transpose(1, 2).reshape(b_, n, -1)))
+
+
+class SwinTransformerBlock(nn.Module):
+    def __init__(self, dim, heads, res, ws, shift, attn_drop=0.0):
+        super().__init__()
+        self.window_size, self.shift_size = (ws, ws), (shift, shift)
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = WindowAttention(dim, heads, ws, attn_drop)
+        self.register_buffer("attn_mask", swin_mask(res, res, ws, shift) if shift else None)
+
+    def _attn(self, x):
+        b, h, w, c = x.shape
+        s, ws = self.shift_size[0], self.window_size[0]
+        x = torch.roll(x, (-s, -s), (1, 2)) if s else x
+        win = (
+            x.view(b, h // ws, ws, w // ws, ws, c).permute(0, 1, 3, 2, 4, 5).reshape(-1, ws * ws, c)
+        )
+        win = self.attn(win, mask=self.attn_mask)
+        x = win.view(b, h // ws, w // ws, ws, ws, c).permute(0, 1, 3, 2, 4, 5).reshape(b, h, w, c)
+        return torch.roll(x, (s, s), (1, 2)) if s else x
+
+    def forward(self, x):
+        return x + self._attn(self.norm1(x))
+
+
+class TinySwin(nn.Module):
+    def __init__(self, dim=64, heads=2, res=14, ws=7, attn_drop=0.0):
+        super().__init__()
+        self.blocks = nn.Sequential(
+            SwinTransformerBlock(dim, heads, res, ws, 0, attn_drop),
+            SwinTransformerBlock(dim, heads, res, ws, ws // 2, attn_drop),
+        )
+        self.head = nn.Linear(dim, 3)
+
+    def forward(self, x):
+        return self.head(self.blocks(x).mean((1, 2)))
+
+
+def _pair_models(**kw):
+    torch.manual_seed(0)
+    ref = TinySwin(**kw)
+    conv = TinySwin(**kw)
+    conv.load_state_dict(ref.state_dict())
+    return ref, swin.convert(conv)
+
+
+def test_convert_replaces_modules_and_keeps_state_dict():
+    ref, conv = _pair_models()
+    assert sum(isinstance(m, swin.FusedWindowAttention) for m in conv.modules()) == 2
+    assert ref.state_dict().keys() == conv.state_dict().keys()
+    assert all(hasattr(b, "_aiak_timm_attn") for b in conv.blocks)
+
+
+def test_convert_matches_original_forward_and_backward():
+    ref, conv = _pair_models()
+    x = torch.randn(3, 14, 14, 64)
+    out_r, out_c = ref(x), conv(x)
+    torch.testing.assert_close(out_c, out_r, rtol=1e-4, atol=1e-5)
+    out_r.square().sum().backward()
+    out_c.square().sum().backward()
+    grads_r = dict(ref.named_parameters())
+    for name, p in conv.named_parameters():
+        torch.testing.assert_close(p.grad, grads_r[name].grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_convert_leaves_attention_dropout_unfused():
+    with pytest.warns(RuntimeWarning, match="attention dropout"):
+        _, conv = _pair_models(attn_drop=0.1)
+    assert not any(isinstance(m, swin.FusedWindowAttention) for m in conv.modules())
+    with pytest.raises(TypeError, match=r"nn\.Module"):
+        swin.convert("model")
+
+
+def test_convert_under_autocast_o1_cpu():
+    ref, conv = _pair_models()
+    x = torch.randn(2, 14, 14, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out_r, out_c = ref(x), conv(x)
+    assert out_c.dtype == out_r.dtype
+    assert (out_c.float() - out_r.float()).norm() / out_r.float().norm() < 2e-2
+    out_c.float().sum().backward()
+    table = conv.blocks[0].attn.relative_position_bias_table
+    assert table.grad is not None and table.grad.dtype == torch.float32
+
+
+def test_convert_pure_half_cpu():
+    ref, conv = _pair_models()
+    ref, conv = ref.to(torch.bfloat16), conv.to(torch.bfloat16)
+    x = torch.randn(2, 14, 14, 64, dtype=torch.bfloat16)
+    out_r, out_c = ref(x), conv(x)
+    assert out_c.dtype == torch.bfloat16
+    assert (out_c.float() - out_r.float()).norm() / out_r.float().norm() < 3e-2
+    out_c.float().sum().backward()
+    assert conv.blocks[1].attn.relative_position_bias_table.grad.dtype == torch.bfloat16
+
+
+def test_torch_compile_cpu():
+    ref, conv = _pair_models()
+    x = torch.randn(2, 14, 14, 64)
+    compiled = torch.compile(conv, fullgraph=True, backend="aot_eager")
+    out = compiled(x)
+    torch.testing.assert_close(out, ref(x), rtol=1e-4, atol=1e-5)
+    out.sum().backward()
+    assert conv.blocks[0].attn.relative_position_bias_table.grad is not None
+
+
+# ------------------------------------------------------------------------------------------
+# CUDA: kernels vs the reference
+# ------------------------------------------------------------------------------------------
+
+HALF_TOL = {torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    ("windows", "heads", "n", "d", "nw", "dtype"),
+    [
+        (64 * 3, 3, 49, 32, 64, torch.float16),
+        (16 * 5, 6, 49, 32, 16, torch.bfloat16),
+        (4 * 7, 12, 49, 32, None, torch.float16),
+        (3, 24, 49, 32, 1, torch.bfloat16),
+        (40, 4, 64, 64, 4, torch.float16),
+        (9, 2, 64, 32, None, torch.bfloat16),
+        (5, 3, 1, 64, None, torch.float16),
+        (7, 2, 13, 32, 7, torch.float16),
+    ],
+)
+def test_kernel_matches_reference(windows, heads, n, d, nw, dtype):
+    dev = "cuda"
+    q, k, v, bias, mask = inputs(windows, heads, n, d, nw, dtype=dtype, device=dev)
+    bias = bias.float()
+    scale = d**-0.5
+    exact = literal_attention(q, k, v, bias, mask, scale) if windows * heads <= 64 else None
+    ref = wa._attention_reference(q, k, v, bias, mask, scale)
+    out = wa._attention_cuda(q, k, v, bias, mask, scale)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    assert _rel(out, ref) < HALF_TOL[dtype]
+    if exact is not None:
+        assert _rel(out, exact) < HALF_TOL[dtype]
+    dout = torch.randn_like(q)
+    got = wa._attention_backward_cuda(dout, q, k, v, bias, mask, scale)
+    want = wa._attention_backward_reference(
+        dout.double(), q.double(), k.double(), v.double(), bias.double(), mask, scale
+    )
+    for name, g, w in zip(("dq", "dk", "dv", "dbias"), got, want):
+        assert torch.isfinite(g).all(), name
+        assert _rel(g, w) < 2 * HALF_TOL[dtype], name
+
+
+@pytest.mark.cuda
+def test_kernel_reads_strided_qkv_views():
+    x = torch.randn(32, 49, 3, 3, 32, device="cuda", dtype=torch.float16)
+    q, k, v = x.permute(2, 0, 3, 1, 4).unbind(0)
+    bias = torch.randn(3, 49, 49, device="cuda")
+    out = window_attention(q, k, v, bias, None, 0.2)
+    ref = wa._attention_reference(q.contiguous(), k.contiguous(), v.contiguous(), bias, None, 0.2)
+    assert _rel(out, ref) < HALF_TOL[torch.float16]
+
+
+@pytest.mark.cuda
+def test_kernel_fallbacks_on_cuda():
+    q, k, v, bias, mask = inputs(4, 2, 81, 48, 2, dtype=torch.float16, device="cuda")
+    with pytest.warns(RuntimeWarning, match="head_dim 48"):
+        out = wa._attention_cuda(q, k, v, bias, mask, 0.3)
+    torch.testing.assert_close(out, wa._attention_reference(q, k, v, bias, mask, 0.3))
+    q32, k32, v32, b32, _ = inputs(4, 2, 49, 32, dtype=torch.float32, device="cuda")
+    out = window_attention(q32, k32, v32, b32, None, 0.3)
+    torch.testing.assert_close(out, wa._attention_reference(q32, k32, v32, b32, None, 0.3))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("shape", "ws", "shift"), [((3, 56, 56, 96), 7, 3), ((2, 8, 16, 6), 8, 0)])
+def test_partition_kernels_exact(dtype, shape, ws, shift):
+    x = torch.randn(shape, device="cuda").to(dtype)
+    win = roll_window_partition(x, ws, shift)
+    torch.testing.assert_close(win, wa._partition_reference(x, ws, shift), rtol=0, atol=0)
+    back = window_merge_roll(win, shape[1], shape[2], shift)
+    torch.testing.assert_close(back, x, rtol=0, atol=0)
+    # unaligned rows take the narrow-word path
+    y = torch.randn(2, 14, 14, 3, device="cuda").to(dtype)
+    torch.testing.assert_close(
+        roll_window_partition(y, 7, 3), wa._partition_reference(y, 7, 3), rtol=0, atol=0
+    )
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_opcheck_cuda(dtype):
+    _opcheck_all("cuda", dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["o1", "pure_half"])
+def test_convert_on_cuda_autocast_and_pure_half(mode):
+    ref, conv = _pair_models()
+    ref, conv = ref.cuda(), conv.cuda()
+    x = torch.randn(4, 14, 14, 64, device="cuda")
+    if mode == "pure_half":
+        ref, conv, x = ref.half(), conv.half(), x.half()
+        out_r, out_c = ref(x), conv(x)
+    else:
+        with torch.autocast("cuda", dtype=torch.float16):
+            out_r, out_c = ref(x), conv(x)
+    assert _rel(out_c, out_r) < 1e-2
+    out_r.float().square().sum().backward()
+    out_c.float().square().sum().backward()
+    grads_r = dict(ref.named_parameters())
+    for name, p in conv.named_parameters():
+        assert _rel(p.grad, grads_r[name].grad) < 5e-2, name
+
+
+@pytest.mark.cuda
+def test_timm_swin_tiny_convert():
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    ref = timm.create_model("swin_tiny_patch4_window7_224", pretrained=False).cuda().eval()
+    conv = timm.create_model("swin_tiny_patch4_window7_224", pretrained=False).cuda().eval()
+    conv.load_state_dict(ref.state_dict())
+    swin.convert(conv)
+    n_fused = sum(isinstance(m, swin.FusedWindowAttention) for m in conv.modules())
+    assert n_fused == 12  # depths 2 + 2 + 6 + 2
+    x = torch.randn(2, 3, 224, 224, device="cuda")
+    with torch.autocast("cuda", dtype=torch.float16):
+        out_r, out_c = ref(x), conv(x)
+    assert _rel(out_c, out_r) < 1e-2
+    conv.train()
+    with torch.autocast("cuda", dtype=torch.float16):
+        conv(x).float().sum().backward()
+    grads = [p.grad for p in conv.parameters() if p.requires_grad]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+
+
+def test_literal_helpers_agree():  # the test's own ground truth is consistent
+    x = torch.randn(1, 14, 14, 2)
+    win = literal_partition(x, 7, 3)
+    assert win.shape == (4, 49, 2)
+    m = swin_mask(14, 14, 7, 3)
+    assert m.shape == (4, 49, 49) and set(m.unique().tolist()) <= {0.0, -100.0}
+    assert math.isclose(float(m[0].abs().sum()), 0.0)  # the top-left window is unmasked
+    assert list(itertools.islice(rel_index(2).flatten().tolist(), 4)) == [4, 3, 1, 0]
