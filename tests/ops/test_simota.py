@@ -59,25 +59,28 @@ def yolox_get_assignments(
     center_only=False,
     geometry_penalty=True,
     box_format="cxcywh",
+    dtype=torch.float64,
 ):
-    """fg_mask [A], matched_gt_inds [A] (-1 background), pred_ious_this_matching [A]."""
-    d = torch.float64
-    gt_boxes, pred_boxes = gt_boxes.double(), pred_boxes.double()
+    """fg_mask [A], matched_gt_inds [A] (-1 background), pred_ious_this_matching [A].
+
+    ``dtype=torch.float32`` is YOLOX as it runs (benchmarks/bench_detect.py times that)."""
+    d, dev = dtype, pred_boxes.device
+    gt_boxes, pred_boxes = gt_boxes.to(d), pred_boxes.to(d)
     A, C = cls_logits.shape
     num_gt = gt_boxes.shape[0]
-    fg_out = torch.zeros(A, dtype=torch.bool)
-    matched_out = torch.full((A,), -1, dtype=torch.int64)
-    iou_out = torch.zeros(A, dtype=torch.float32)
+    fg_out = torch.zeros(A, dtype=torch.bool, device=dev)
+    matched_out = torch.full((A,), -1, dtype=torch.int64, device=dev)
+    iou_out = torch.zeros(A, dtype=torch.float32, device=dev)
     if num_gt == 0:
         return fg_out, matched_out, iou_out
 
     # get_in_boxes_info / get_geometry_constraint
-    x_c = centers[:, 0].double()[None]
-    y_c = centers[:, 1].double()[None]
+    x_c = centers[:, 0].to(d)[None]
+    y_c = centers[:, 1].to(d)[None]
     gl, gt_, gr, gb, gcx, gcy = (v[:, None] for v in _ltrb(gt_boxes, box_format))
     bbox_deltas = torch.stack([x_c - gl, y_c - gt_, gr - x_c, gb - y_c], 2)
     is_in_boxes = bbox_deltas.min(dim=-1).values > 0.0
-    center_dist = center_radius * strides.double()[None]
+    center_dist = center_radius * strides.to(d)[None]
     c_l, c_r = gcx - center_dist, gcx + center_dist
     c_t, c_b = gcy - center_dist, gcy + center_dist
     center_deltas = torch.stack([x_c - c_l, y_c - c_t, c_r - x_c, c_b - y_c], 2)
