@@ -23,9 +23,10 @@ example = _load("yolox_example", ROOT / "examples" / "yolox_loss_simota.py")
 literal = _load("simota_literal", ROOT / "tests" / "ops" / "test_simota.py")
 
 
-def yolox_loop_loss(outputs, labels, centers, strides):
+def yolox_loop_loss(outputs, labels, centers, strides, dtype=torch.float64):
     """YOLOX's get_losses: per image, the literal get_assignments, targets by boolean indexing,
-    then the losses over the concatenated foreground."""
+    then the losses over the concatenated foreground (``dtype=torch.float32``: YOLOX as it
+    runs, timed by benchmarks/bench_detect.py)."""
     C = outputs.shape[-1] - 5
     reg_t, cls_t, obj_t, fg_t = [], [], [], []
     nlabel = (labels.sum(dim=2) > 0).sum(dim=1)
@@ -37,12 +38,12 @@ def yolox_loop_loss(outputs, labels, centers, strides):
             cls_t.append(outputs.new_zeros((0, C)))
             reg_t.append(outputs.new_zeros((0, 4)))
             obj_t.append(outputs.new_zeros((A, 1)))
-            fg_t.append(torch.zeros(A, dtype=torch.bool))
+            fg_t.append(torch.zeros(A, dtype=torch.bool, device=outputs.device))
             continue
         gt = labels[b, :n]
         fg, matched, ious = literal.yolox_get_assignments(
             gt[:, 1:5], gt[:, 0].long(), centers, strides, outputs[b, :, :4].detach(),
-            outputs[b, :, 5:].detach(), outputs[b, :, 4].detach(),
+            outputs[b, :, 5:].detach(), outputs[b, :, 4].detach(), dtype=dtype,
         )  # fmt: skip
         num_fg += int(fg.sum())
         cls_t.append(F.one_hot(gt[matched[fg], 0].long(), C).float() * ious[fg, None])
