@@ -12,8 +12,11 @@ up again on the first bucket). Pure PyTorch: no other aiak subpackage is importe
 
 from ._wire import CommError, gloo_timeout
 from .accumulate import Accumulator, accumulate
+from .dgc import DGCSGD, DGCState, check_dgc_optimizer, dgc
+from .downsample import DownsampleState, downsample
 from .env import EnvConfig, bucket_cap_mb, ddp, from_env, parse_env, register
 from .hierarchical import HierarchicalState, hierarchical
+from .overlap import OverlapState, OverlapStep, overlap_step
 from .hooks import (
     AllreduceState,
     CastState,
@@ -36,24 +39,33 @@ __all__ = [
     "CastState",
     "CommError",
     "CommHook",
+    "DGCState",
+    "DGCSGD",
+    "DownsampleState",
     "EnvConfig",
     "HierarchicalState",
     "HookState",
     "MultiStreamState",
     "NanCheckState",
+    "OverlapState",
+    "OverlapStep",
     "PowerSGDState",
     "Topology",
     "accumulate",
     "allreduce",
     "bf16_compress",
     "bucket_cap_mb",
+    "check_dgc_optimizer",
     "ddp",
+    "dgc",
+    "downsample",
     "fp16_compress",
     "from_env",
     "gloo_timeout",
     "hierarchical",
     "multi_stream",
     "nan_check",
+    "overlap_step",
     "parse_env",
     "powersgd",
     "register",
