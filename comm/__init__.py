@@ -16,7 +16,6 @@ from .dgc import DGCSGD, DGCState, check_dgc_optimizer, dgc
 from .downsample import DownsampleState, downsample
 from .env import EnvConfig, bucket_cap_mb, ddp, from_env, parse_env, register
 from .hierarchical import HierarchicalState, hierarchical
-from .overlap import OverlapState, OverlapStep, overlap_step
 from .hooks import (
     AllreduceState,
     CastState,
@@ -30,17 +29,18 @@ from .hooks import (
     multi_stream,
     nan_check,
 )
+from .overlap import OverlapState, OverlapStep, overlap_step
 from .powersgd import PowerSGDState, powersgd
 from .topology import Topology, topology
 
 __all__ = [
+    "DGCSGD",
     "Accumulator",
     "AllreduceState",
     "CastState",
     "CommError",
     "CommHook",
     "DGCState",
-    "DGCSGD",
     "DownsampleState",
     "EnvConfig",
     "HierarchicalState",

@@ -286,12 +286,11 @@ def dgc(
         raise ValueError(f"dgc: warmup_coeff must be in (0, 1], a list, or None: {warmup_coeff}")
     if not 0 <= momentum < 1:
         raise ValueError(f"dgc: momentum must be in [0, 1), got {momentum}")
-    if clip_grad_func is not None and clip_grad_func not in ("norm", "value"):
-        if not callable(clip_grad_func):
-            raise ValueError(
-                f"dgc: clip_grad_func must be 'norm', 'value', a callable or None, got "
-                f"{clip_grad_func!r}"
-            )
+    if clip_grad_func not in (None, "norm", "value") and not callable(clip_grad_func):
+        raise ValueError(
+            f"dgc: clip_grad_func must be 'norm', 'value', a callable or None, got "
+            f"{clip_grad_func!r}"
+        )
     params = dict(clip_grad_func_params or {})
     if clip_grad_func == "norm" and not float(params.get("max_norm", -1)) > 0:
         raise ValueError("dgc: clip_grad_func='norm' needs clip_grad_func_params['max_norm'] > 0")

@@ -72,5 +72,5 @@ def backends() -> dict[str, Any]:
 
 
 # Registers aiak::fused_adam_ / fused_sgd_ / fused_lamb_ (aiak.optim calls them when present).
-from aiak.ops import fused_optim  # noqa: E402, F401
 from aiak.ops import dgc_select as _dgc_select  # noqa: E402, F401
+from aiak.ops import fused_optim  # noqa: E402, F401
