@@ -70,7 +70,7 @@ def test_random_sample_indices_and_padding() -> None:
     x = torch.zeros(1000)
     x[:3] = torch.tensor([5.0, -6.0, 7.0])
     sidx = torch.randint(0, 1000, (50,))
-    v, i = dgc_select(x, 10, 50, 0, 1, sidx, 1.3, 0.8, 10, False)
+    _, i = dgc_select(x, 10, 50, 0, 1, sidx, 1.3, 0.8, 10, False)
     _check(x, 10, 50, 0, 1, 1.3, 0.8, 10, False, sidx=sidx)
     assert (i[: int((i >= 0).sum())] >= 0).all()
     _v, i = dgc_select(torch.randn(1000), 10, 100, 0, 10)
