@@ -80,7 +80,7 @@ def bench_overlap(steps: int = 20) -> dict:
         torch.cuda.synchronize()
         return (time.perf_counter() - t) / steps * 1e3
 
-    model, ddp, opt = build(False)
+    _, ddp, opt = build(False)
 
     def plain():
         opt.zero_grad()
@@ -92,7 +92,7 @@ def bench_overlap(steps: int = 20) -> dict:
         torch.nn.functional.cross_entropy(ddp(x), y).backward()
 
     t_plain, t_nostep, t_opt = timed(plain), timed(no_step), timed(opt.step)
-    model, ddp, opt = build(True)
+    _, ddp, opt = build(True)
 
     def overlapped():
         opt.zero_grad()
