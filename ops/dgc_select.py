@@ -235,6 +235,7 @@ def _select_cuda(
                 "dgc_radix_pick",
                 "dgc_count_tiles",
                 "dgc_decide",
+                "dgc_count_exact",
                 "dgc_tile_offsets",
                 "dgc_write",
             )
@@ -272,6 +273,9 @@ def _select_cuda(
         # exact top-k (only when the loop stopped on a resample; gated on the device)
         blocks = max(1, min(tiles, 8 * sms))
         _radix(f, x, n, k, plan, hist, 8, blocks, gate=True)
+        _cuda.launch(
+            f["dgc_count_exact"], tiles, _BLOCK, (p(x), p(plan), p(rest), i64(tiles), i64(n))
+        )
         _cuda.launch(
             f["dgc_tile_offsets"],
             1,

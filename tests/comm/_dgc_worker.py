@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from aiak import comm
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _dgc_ref import select_f64  # noqa: E402
+from _dgc_ref import select_f64
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -67,7 +67,7 @@ def check_sparse_selection(results: dict) -> None:
     nn.functional.mse_loss(ddp(x), y).backward()
     nn.functional.mse_loss(local(x), y).backward()
     errs, dense_errs, nnz = [], [], []
-    for (name, p), q in zip(model.named_parameters(), local.parameters()):
+    for (_name, p), q in zip(model.named_parameters(), local.parameters()):
         mine = q.grad.detach().reshape(-1).contiguous()
         every = [torch.empty_like(mine) for _ in range(WORLD)]
         dist.all_gather(every, mine)
