@@ -23,6 +23,7 @@ import argparse
 import csv
 import datetime
 import json
+import math
 import os
 import socket
 import statistics
@@ -35,7 +36,16 @@ NS = ("aiakbench0", "aiakbench1")
 DEV = ("aiakv0", "aiakv1")
 ADDR = ("10.77.0.1", "10.77.0.2")
 RESULTS = Path(__file__).parent / "results"
-MODES = ("flat", "hierarchical", "hierarchical+fp16", "powersgd-r1", "powersgd-r4")
+MODES = (
+    "flat",
+    "hierarchical",
+    "hierarchical+fp16",
+    "powersgd-r1",
+    "powersgd-r4",
+    "dgc-0.001",
+    "downsample-4",
+    "flat+overlap",
+)
 
 
 # ------------------------------------------------------------------------------------------
@@ -52,6 +62,9 @@ def make_hook(mode: str):
         "hierarchical+fp16": lambda: comm.hierarchical(outer=comm.fp16_compress(scale=10)),
         "powersgd-r1": lambda: comm.powersgd(rank=1, start_iter=2),
         "powersgd-r4": lambda: comm.powersgd(rank=4, start_iter=2),
+        "dgc-0.001": lambda: comm.dgc(compress_ratio=0.001),
+        "downsample-4": lambda: comm.downsample(n=4),
+        "flat+overlap": comm.allreduce,  # with aiak.comm.overlap_step (the step in backward)
     }[mode]()
 
 
@@ -77,14 +90,22 @@ def worker(args: argparse.Namespace) -> None:
         model = nn.Sequential(*layers)
         ddp = nn.parallel.DistributedDataParallel(model)
         hook = make_hook(mode)
-        comm.register(ddp, hook)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        if mode.startswith("dgc"):
+            opt = comm.DGCSGD(model.parameters(), lr=1e-3)
+        else:
+            opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        overlap = mode.endswith("+overlap")
+        if overlap:
+            hook = comm.overlap_step(ddp, opt, hook=hook).hook
+        else:
+            comm.register(ddp, hook)
         x = torch.randn(args.batch, args.width)
 
-        def step(ddp=ddp, opt=opt, x=x) -> None:
+        def step(ddp=ddp, opt=opt, x=x, overlap=overlap) -> None:
             opt.zero_grad()
             ddp(x).square().mean().backward()
-            opt.step()
+            if not overlap:  # overlap_step stepped every bucket during backward
+                opt.step()
 
         for _ in range(3):  # DDP rebuilds buckets at step 1; PowerSGD compresses from step 2
             step()
@@ -120,8 +141,17 @@ def formula(mode: str, model, world: int, nodes: int) -> float:
     """Bytes per step crossing the link in one direction (ring schedules, 2 nodes)."""
     s = 4 * sum(p.numel() for p in model.parameters())
     ring = 2 * (world - 1) / world
-    if mode == "flat":
+    if mode in ("flat", "flat+overlap"):
         return ring * s
+    if mode.startswith("downsample"):
+        return ring * s / int(mode.rsplit("-", 1)[1])
+    if mode.startswith("dgc"):
+        # allgather of (fp32 value, int64 index) pairs: each rank's pairs cross once per
+        # other rank on the ring ((P-1)/P of P x payload); vectors travel densely
+        ratio = float(mode.rsplit("-", 1)[1])
+        pairs = sum(math.ceil(p.numel() * ratio) for p in model.parameters() if p.dim() > 1)
+        dense = sum(p.numel() for p in model.parameters() if p.dim() <= 1)
+        return (world - 1) * 12 * pairs + ring * 4 * dense
     if mode.startswith("hierarchical"):
         two_level = 2 * (nodes - 1) / nodes * s
         return two_level / 2 if mode.endswith("fp16") else two_level

@@ -12,6 +12,8 @@ up again on the first bucket). Pure PyTorch: no other aiak subpackage is importe
 
 from ._wire import CommError, gloo_timeout
 from .accumulate import Accumulator, accumulate
+from .dgc import DGCSGD, DGCState, check_dgc_optimizer, dgc
+from .downsample import DownsampleState, downsample
 from .env import EnvConfig, bucket_cap_mb, ddp, from_env, parse_env, register
 from .hierarchical import HierarchicalState, hierarchical
 from .hooks import (
@@ -28,27 +30,36 @@ from .hooks import (
     nan_check,
 )
 from .lifecycle import exit_rank, shutdown
+from .overlap import OverlapState, OverlapStep, overlap_step
 from .powersgd import PowerSGDState, powersgd
 from .topology import Topology, topology
 
 __all__ = [
+    "DGCSGD",
     "Accumulator",
     "AllreduceState",
     "CastState",
     "CommError",
     "CommHook",
+    "DGCState",
+    "DownsampleState",
     "EnvConfig",
     "HierarchicalState",
     "HookState",
     "MultiStreamState",
     "NanCheckState",
+    "OverlapState",
+    "OverlapStep",
     "PowerSGDState",
     "Topology",
     "accumulate",
     "allreduce",
     "bf16_compress",
     "bucket_cap_mb",
+    "check_dgc_optimizer",
     "ddp",
+    "dgc",
+    "downsample",
     "exit_rank",
     "fp16_compress",
     "from_env",
@@ -56,6 +67,7 @@ __all__ = [
     "hierarchical",
     "multi_stream",
     "nan_check",
+    "overlap_step",
     "parse_env",
     "powersgd",
     "register",

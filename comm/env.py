@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ._wire import gloo_timeout
+from .downsample import downsample
 from .hierarchical import hierarchical
 from .hooks import (
     CommHook,
@@ -80,6 +81,8 @@ class EnvConfig:
     accumulate: int = 1  # PERSEUS_ACCUMULATE_N_STEPS
     log_steps: int = 0  # AIAK_COMM_LOG_STEPS
     coalesce: int = 1  # AIAK_COALESCE_BUCKETS
+    downsample: int = 1  # PERSEUS_DOWNSAMPLE_N_ELEMENTS (1: every element every step)
+    momentum: float = 1.0  # PERSEUS_GRADIENT_MOMENTUM (memory of the elements not sent)
 
     def build(self) -> CommHook | None:
         """The hook these settings ask for; ``None`` when they ask for DDP's own allreduce."""
@@ -97,9 +100,13 @@ class EnvConfig:
         hook = hierarchical(outer=slow) if two_level else slow
         if two_level and fp16_everywhere:  # the whole two-level exchange in fp16
             hook = fp16_compress(hook, scale=self.scale)
+        if self.downsample > 1:
+            hook = downsample(hook, self.downsample, self.momentum)
         if self.nancheck:
             hook = nan_check(hook)
-        plain = not (two_level or fp16_everywhere or fp16_inter or self.powersgd)
+        plain = not (
+            two_level or fp16_everywhere or fp16_inter or self.powersgd or self.downsample > 1
+        )
         extras = self.streams > 1 or self.nancheck or self.log_steps or self.coalesce > 1
         if plain and not extras:
             return None
@@ -110,8 +117,6 @@ class EnvConfig:
 
 _UNSUPPORTED = {
     # name: (parser, default, check, expectation)
-    "PERSEUS_DOWNSAMPLE_N_ELEMENTS": (int, 1, lambda v: v >= 1, "an integer >= 1"),
-    "PERSEUS_GRADIENT_MOMENTUM": (float, 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]"),
     "PERSEUS_PERF_CHECK_N_STEPS": (int, 0, lambda v: v >= 0, "an integer >= 0"),
 }
 
@@ -162,6 +167,12 @@ def parse_env(environ: Mapping[str, str] | None = None) -> EnvConfig:
         ),
         log_steps=n(env, "AIAK_COMM_LOG_STEPS", int, 0, lambda v: v >= 0, "an integer >= 0"),
         coalesce=n(env, "AIAK_COALESCE_BUCKETS", int, 1, lambda v: v >= 1, "an integer >= 1"),
+        downsample=n(
+            env, "PERSEUS_DOWNSAMPLE_N_ELEMENTS", int, 1, lambda v: v >= 1, "an integer >= 1"
+        ),
+        momentum=n(
+            env, "PERSEUS_GRADIENT_MOMENTUM", float, 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]"
+        ),
     )
     if "GLOO_TIMEOUT_SECONDS" in env:
         _check_timeout(env["GLOO_TIMEOUT_SECONDS"])
@@ -181,6 +192,11 @@ def parse_env(environ: Mapping[str, str] | None = None) -> EnvConfig:
         (
             cfg.fp16 and cfg.dtype in (1, 2),
             f"AIAK_FP16_COMPRESSION=1 contradicts PERSEUS_ALLREDUCE_DTYPE={cfg.dtype}",
+        ),
+        (
+            cfg.momentum != 1.0 and cfg.downsample == 1,
+            "PERSEUS_GRADIENT_MOMENTUM applies to the elements downsampling keeps back: it needs "
+            "PERSEUS_DOWNSAMPLE_N_ELEMENTS > 1",
         ),
         (
             cfg.powersgd and (cfg.fp16 or cfg.dtype in (0, 2)),

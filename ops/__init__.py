@@ -73,6 +73,7 @@ def backends() -> dict[str, Any]:
 
 
 # Registers aiak::fused_adam_ / fused_sgd_ / fused_lamb_ (aiak.optim calls them when present).
+from aiak.ops import dgc_select as _dgc_select  # noqa: E402, F401
 from aiak.ops import fused_optim  # noqa: E402, F401
 
 # Registers aiak::fcos3d_targets and aiak::simota_assign (detection label assignment).

@@ -47,6 +47,9 @@ HOOKS: dict[str, tuple[Any, torch.dtype]] = {
         lambda: comm.nan_check(comm.hierarchical(outer=comm.powersgd(**_EXACT_PSGD))),
         torch.float32,
     ),
+    # DGC's dense path (ratio 1, no momentum) and downsampling with n=1: the plain mean
+    "dgc_ratio1_momentum0": (lambda: comm.dgc(compress_ratio=1.0, momentum=0.0), torch.float32),
+    "downsample_n1": (lambda: comm.downsample(n=1), torch.float32),
 }
 # The same trees run on aiak's worker thread instead of DDP's autograd thread (the default for
 # CUDA gradients; forced here on gloo): identical collectives, in the same order.

@@ -135,9 +135,26 @@ def test_env_contradictions_are_errors(env, names):
 
 
 def test_env_unimplemented_feature_is_not_silently_ignored():
-    with pytest.raises(NotImplementedError, match="PERSEUS_DOWNSAMPLE_N_ELEMENTS"):
-        comm.parse_env({"PERSEUS_DOWNSAMPLE_N_ELEMENTS": "4"})
-    comm.parse_env({"PERSEUS_DOWNSAMPLE_N_ELEMENTS": "1"})  # the default is fine
+    with pytest.raises(NotImplementedError, match="PERSEUS_PERF_CHECK_N_STEPS"):
+        comm.parse_env({"PERSEUS_PERF_CHECK_N_STEPS": "4"})
+    comm.parse_env({"PERSEUS_PERF_CHECK_N_STEPS": "0"})  # the default is fine
+
+
+def test_env_downsampling_builds_the_hook():
+    cfg = comm.parse_env({"PERSEUS_DOWNSAMPLE_N_ELEMENTS": "4", "PERSEUS_GRADIENT_MOMENTUM": "0.9"})
+    assert (cfg.downsample, cfg.momentum) == (4, 0.9)
+    hook = comm.from_env({"PERSEUS_DOWNSAMPLE_N_ELEMENTS": "4", "PERSEUS_GRADIENT_MOMENTUM": "0.9"})
+    assert isinstance(hook.state, comm.DownsampleState)
+    assert (hook.state.n, hook.state.momentum) == (4, 0.9)
+    assert isinstance(hook.state.inner, comm.AllreduceState)
+    nested = comm.from_env({"PERSEUS_DOWNSAMPLE_N_ELEMENTS": "2", "AIAK_FP16_COMPRESSION": "1"})
+    assert isinstance(nested.state, comm.DownsampleState)
+    assert isinstance(nested.state.inner, comm.CastState)
+    assert comm.from_env({"PERSEUS_DOWNSAMPLE_N_ELEMENTS": "1"}) is None
+    with pytest.raises(ValueError, match="PERSEUS_DOWNSAMPLE_N_ELEMENTS"):
+        comm.parse_env({"PERSEUS_GRADIENT_MOMENTUM": "0.5"})
+    with pytest.raises(ValueError, match="PERSEUS_GRADIENT_MOMENTUM"):
+        comm.parse_env({"PERSEUS_DOWNSAMPLE_N_ELEMENTS": "2", "PERSEUS_GRADIENT_MOMENTUM": "0"})
 
 
 def test_gloo_timeout(monkeypatch):

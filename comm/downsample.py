@@ -1,0 +1,95 @@
+"""Gossip downsampling with gradient momentum (Perseus's PERSEUS_DOWNSAMPLE_N_ELEMENTS and
+PERSEUS_GRADIENT_MOMENTUM).
+
+Each step communicates a rotating ``1/n`` of every bucket: at step ``s`` the elements
+``[c*L//n, (c+1)*L//n)`` with ``c = s % n`` (``L`` the bucket length), so every element
+travels once every ``n`` steps. Every element keeps a local memory ``mem = momentum*mem + g``;
+the travelling slice sends its memory (then zeroed) through ``inner``, and the bucket's result
+is that averaged slice with zeros elsewhere. With ``momentum=1`` the memory is the sum of the
+gradients since the element last travelled: nothing is lost, only delayed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import _wire
+from ._wire import Link
+from .hooks import CommHook, HookState, Setup, _check_hook, _Wrapper, allreduce
+
+__all__ = ["DownsampleState", "downsample"]
+
+
+class DownsampleState(HookState):
+    __slots__ = ("inner", "memory", "momentum", "n")
+
+    def __init__(self, n: int, momentum: float, inner: HookState) -> None:
+        super().__init__()
+        self.n = n
+        self.momentum = momentum
+        self.inner = inner
+        self.memory: dict[str, torch.Tensor] = {}  # per parameter, fp32
+
+    def children(self) -> tuple[HookState, ...]:
+        return (self.inner,)
+
+
+class _Downsample(_Wrapper):
+    __slots__ = ()
+
+    def setup_tree(self, state: DownsampleState, ctx: Setup) -> None:
+        state._names = ctx.names
+        super().setup_tree(state, ctx)
+
+    def reduce(self, state: DownsampleState, bucket: Any, link: Link) -> torch.futures.Future:
+        buf = bucket.buffer()
+        length, base = buf.numel(), buf.storage_offset()
+        c = bucket.step % state.n
+        lo, hi = c * length // state.n, (c + 1) * length // state.n
+        send = torch.empty(hi - lo, dtype=buf.dtype, device=buf.device)
+        names = state._names or {}
+        params = bucket.parameters()
+        for i, g in enumerate(bucket.gradients()):
+            n = g.numel()
+            off = g.storage_offset() - base
+            flat = buf[off : off + n]
+            p = params[i] if i < len(params) else None
+            key = (names.get(p) if p is not None else None) or f"{bucket.index()}.{i}.{n}"
+            mem = state.memory.get(key)
+            if mem is None or mem.numel() != n or mem.device != buf.device:
+                mem = state.memory[key] = torch.zeros(n, dtype=torch.float32, device=buf.device)
+            mem.mul_(state.momentum).add_(flat)
+            a, b = max(off, lo), min(off + n, hi)
+            if a < b:
+                send[a - lo : b - lo].copy_(mem[a - off : b - off])
+                mem[a - off : b - off].zero_()
+        if hi == lo:  # a bucket shorter than n: this step sends none of it (on every rank)
+            buf.zero_()
+            return _wire.done(buf)
+        fut = self.inner.reduce(state.inner, _wire.SubBucket(send, [send], bucket), link)
+
+        def place(value: torch.Tensor) -> torch.Tensor:
+            _wire.keep(send)
+            buf.zero_()
+            buf[lo:hi].copy_(value.reshape(-1)[: hi - lo])
+            return buf
+
+        return _wire.after(fut, place, buf)
+
+
+def downsample(inner: CommHook | None = None, n: int = 2, momentum: float = 1.0) -> CommHook:
+    """Send a rotating ``1/n`` of every bucket through ``inner`` (default: allreduce); the
+    rest stays in a local memory with gradient ``momentum`` (see the module docstring)."""
+    inner = allreduce() if inner is None else inner
+    _check_hook("downsample", "inner", inner)
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"downsample: n must be an int, got {type(n).__name__}")
+    if n < 1:
+        raise ValueError(f"downsample: n must be >= 1, got {n}")
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)):
+        raise TypeError(f"downsample: momentum must be a number, got {type(momentum).__name__}")
+    if not 0 < momentum <= 1:
+        raise ValueError(f"downsample: momentum must be in (0, 1], got {momentum}")
+    return _Downsample(DownsampleState(n, float(momentum), inner.state), inner)

@@ -1,0 +1,381 @@
+"""``aiak::dgc_select``: Deep Gradient Compression's selection (sample, threshold, adapt, compact).
+
+Returns exactly ``k`` (value, index) pairs of a flat tensor ``x`` with a fixed shape, so a
+caller can allgather them without asking the device how many there are. Fewer than ``k``
+selected: the tail is padded with index ``-1`` and value ``0``. Indices are in ascending order.
+
+The algorithm, on ``importance = |x|`` compared as the bit patterns of non-negative fp32
+values (so comparisons are exact and NaN ranks above +inf):
+
+1. sample ``num_samples`` importances: ``sample_indices`` when given, else every
+   ``sample_stride``-th from ``sample_start``;
+2. ``thr0`` = the ``k_s``-th largest sample, ``k_s = ceil(num_samples * k / numel)``;
+3. adaptation, exactly the seed's loop, with the threshold of state (a, b) defined as
+   ``fp32(thr0 * upper**a * lower**b)`` (float64 products in that order, rounded once):
+   ``c = #(importance >= thr)``; up to ``iters`` times: ``c > upper*k`` -> with ``resample``
+   stop and take the exact top-k, else ``a += 1``; ``c < lower*k`` -> ``b += 1``; else stop;
+4. compaction: the exact top-k (ties to the lowest index) after a resample stop, otherwise
+   the first ``k`` indices (ascending) with ``importance >= thr``.
+
+How it relates to the seed: the seed multiplies its threshold in place (rounding at every
+step) and counts with one pass per iteration; here every threshold the loop can reach (``iters
++ 1`` of them with ``resample``, ``(iters+1)(iters+2)/2`` without) is counted in ONE pass, the
+loop then runs on the counts, so the work is fixed and nothing waits on the host. Decisions
+are the seed's except where a threshold's single rounding differs from its repeated one.
+
+The CUDA kernel (fp32 only; other dtypes run this reference) computes the same thing bit for
+bit: radix select for ``thr0`` on a compact copy of the samples, one counting pass writing
+per-tile histograms, the loop on one thread, a 4-pass radix select gated on the device for the
+rare resample case, and an ordered compaction from per-tile offsets. Never syncs the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from aiak.ops import _cuda
+from aiak.ops._capability import Capability, declare, use_kernel
+from aiak.ops._registry import define
+
+__all__ = ["dgc_plan", "dgc_select", "dgc_thresholds"]
+
+SELECT = declare(Capability("dgc_select", dtypes=(torch.float32,)))
+_SOURCE = "dgc_select.cu"
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MAX_ITERS = 20  # (21 * 22) / 2 = 231 thresholds at most without resample
+_TILE = 16384  # elements per tile of the counting and compaction passes (in the .cu too)
+_BLOCK = 256
+
+
+def _check(
+    x: torch.Tensor,
+    k: int,
+    num_samples: int,
+    sample_start: int,
+    sample_stride: int,
+    sample_indices: torch.Tensor | None,
+    upper: float,
+    lower: float,
+    iters: int,
+) -> None:
+    op = "dgc_select"
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op}: x must be a tensor, got {type(x).__name__}")
+    if x.dtype not in _DTYPES:
+        raise TypeError(f"{op}: x has dtype {x.dtype}; supported: float32, float16, bfloat16")
+    if not x.is_contiguous():
+        raise ValueError(f"{op}: x must be contiguous; call .contiguous() first")
+    n = x.numel()
+    if not 0 <= k <= n:
+        raise ValueError(f"{op}: k must be in [0, numel={n}], got {k}")
+    if k == 0:
+        return
+    if sample_indices is not None:
+        if not isinstance(sample_indices, torch.Tensor) or sample_indices.dtype != torch.int64:
+            raise TypeError(f"{op}: sample_indices must be an int64 tensor or None")
+        if sample_indices.device != x.device or sample_indices.dim() != 1:
+            raise ValueError(f"{op}: sample_indices must be 1-D and on {x.device}")
+        if sample_indices.numel() != num_samples:
+            raise ValueError(
+                f"{op}: sample_indices has {sample_indices.numel()} entries, num_samples is "
+                f"{num_samples}"
+            )
+    if not 1 <= num_samples <= n:
+        raise ValueError(f"{op}: num_samples must be in [1, numel={n}], got {num_samples}")
+    if sample_indices is None:
+        if sample_stride < 1:
+            raise ValueError(f"{op}: sample_stride must be >= 1, got {sample_stride}")
+        if sample_start < 0 or sample_start + (num_samples - 1) * sample_stride >= n:
+            raise ValueError(
+                f"{op}: samples at {sample_start} + i * {sample_stride}, i < {num_samples}, "
+                f"leave the tensor of {n} elements"
+            )
+    if not upper > 1.0:
+        raise ValueError(f"{op}: upper must be > 1, got {upper}")
+    if not 0.0 < lower < 1.0:
+        raise ValueError(f"{op}: lower must be in (0, 1), got {lower}")
+    if not 0 <= iters <= MAX_ITERS:
+        raise ValueError(f"{op}: iters must be in [0, {MAX_ITERS}], got {iters}")
+
+
+def dgc_thresholds(
+    thr0_bits: int, upper: float, lower: float, iters: int, resample: bool
+) -> dict[tuple[int, int], int]:
+    """{(a, b): fp32 bits of thr0 * upper**a * lower**b} for every state the loop can reach."""
+    t0 = torch.tensor([thr0_bits], dtype=torch.int32).view(torch.float32).item()
+    out: dict[tuple[int, int], int] = {}
+    states = [(0, b) for b in range(iters + 1)]
+    if not resample:
+        states = [(a, b) for a in range(iters + 1) for b in range(iters + 1 - a)]
+    for a, b in states:
+        t = t0
+        for _ in range(a):
+            t *= upper
+        for _ in range(b):
+            t *= lower
+        out[a, b] = int(torch.tensor([t], dtype=torch.float64).float().view(torch.int32).item())
+    return out
+
+
+def dgc_plan(
+    bits: torch.Tensor,
+    k: int,
+    samples: torch.Tensor,
+    upper: float,
+    lower: float,
+    iters: int,
+    resample: bool,
+) -> tuple[bool, int, int]:
+    """The adaptation loop on int32 importance ``bits``: (exact top-k?, threshold bits, count)."""
+    n, m = bits.numel(), samples.numel()
+    ks = min(m, max(1, (m * k + n - 1) // n))
+    thr0 = int(torch.topk(samples.long(), ks).values[-1])
+    thr = dgc_thresholds(thr0, upper, lower, iters, resample)
+
+    def count(a: int, b: int) -> int:
+        return int((bits >= thr[a, b]).sum())
+
+    a = b = 0
+    c = count(a, b)
+    for _ in range(iters):
+        if c > upper * k:
+            if resample:
+                return True, thr[a, b], c
+            a += 1
+        elif c < lower * k:
+            b += 1
+        else:
+            break
+        c = count(a, b)
+    return False, thr[a, b], c
+
+
+def _reference(
+    x: torch.Tensor,
+    k: int,
+    num_samples: int,
+    sample_start: int,
+    sample_stride: int,
+    sample_indices: torch.Tensor | None,
+    upper: float,
+    lower: float,
+    iters: int,
+    resample: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _check(x, k, num_samples, sample_start, sample_stride, sample_indices, upper, lower, iters)
+    flat = x.reshape(-1)
+    values = torch.zeros(k, dtype=x.dtype, device=x.device)
+    indices = torch.full((k,), -1, dtype=torch.int64, device=x.device)
+    if k == 0:
+        return values, indices
+    bits = flat.float().abs().view(torch.int32)
+    if sample_indices is not None:
+        samples = bits[sample_indices]
+    else:
+        samples = bits[sample_start : sample_start + (num_samples - 1) * sample_stride + 1][
+            ::sample_stride
+        ]
+    exact, thr, _ = dgc_plan(bits, k, samples, upper, lower, iters, resample)
+    if exact:
+        v = int(torch.topk(bits.long(), k).values[-1])
+        greater = bits > v
+        equal = bits == v
+        room = k - int(greater.sum())
+        sel = greater | (equal & (torch.cumsum(equal, 0) <= room))
+    else:
+        sel = bits >= thr
+    idx = torch.nonzero(sel).reshape(-1)[:k]
+    indices[: idx.numel()] = idx
+    values[: idx.numel()] = flat[idx]
+    return values, indices
+
+
+def _select_cuda(
+    x: torch.Tensor,
+    k: int,
+    num_samples: int,
+    sample_start: int,
+    sample_stride: int,
+    sample_indices: torch.Tensor | None,
+    upper: float,
+    lower: float,
+    iters: int,
+    resample: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _check(x, k, num_samples, sample_start, sample_stride, sample_indices, upper, lower, iters)
+    if k == 0 or not use_kernel(SELECT, x.device, (x.dtype,)):
+        return _reference(
+            x, k, num_samples, sample_start, sample_stride, sample_indices, upper, lower, iters,
+            resample,
+        )  # fmt: skip
+    import numpy as np  # only on the CUDA path: `import aiak.ops` stays free of numpy
+
+    n = x.numel()
+    dev = x.device
+    tiles = -(-n // _TILE)
+    nthr = iters + 1 if resample else (iters + 1) * (iters + 2) // 2
+    values = torch.zeros(k, dtype=x.dtype, device=dev)
+    indices = torch.full((k,), -1, dtype=torch.int64, device=dev)
+    # One workspace, zeroed once: the plan words, two 256-bin radix histograms, the per-tile
+    # histograms (nthr + 1 bins) and the per-tile counts/offsets of the compaction.
+    plan_words, hist_words = 32, 256
+    hist_tiles = tiles * (nthr + 1)
+    ws = torch.zeros(
+        plan_words + hist_words + hist_tiles + 4 * tiles + (nthr + 1), dtype=torch.int64, device=dev
+    )
+    samples = torch.empty(num_samples, dtype=torch.float32, device=dev)
+    p = _cuda.ptr
+    i64 = np.int64
+    with _cuda.on_device(dev):
+        f = {
+            name: _cuda.get_function(_SOURCE, name)
+            for name in (
+                "dgc_gather_samples",
+                "dgc_radix_hist",
+                "dgc_radix_pick",
+                "dgc_count_tiles",
+                "dgc_decide",
+                "dgc_count_exact",
+                "dgc_tile_offsets",
+                "dgc_write",
+            )
+        }
+        plan = ws[:plan_words]
+        hist = ws[plan_words : plan_words + hist_words]
+        tile_hist = ws[plan_words + hist_words : plan_words + hist_words + hist_tiles]
+        rest = ws[plan_words + hist_words + hist_tiles :]
+        sms = _cuda.num_sms(torch.cuda.current_device())
+        sblocks = max(1, min(-(-num_samples // _BLOCK), 8 * sms))
+        _cuda.launch(
+            f["dgc_gather_samples"],
+            sblocks,
+            _BLOCK,
+            (p(x), p(sample_indices), p(samples), i64(sample_start), i64(sample_stride),
+             i64(num_samples)),
+        )  # fmt: skip
+        ks = min(num_samples, max(1, (num_samples * k + n - 1) // n))
+        # thr0: radix select of the ks-th largest sample (plan slot 0 = prefix, 1 = remaining)
+        _radix(f, samples, num_samples, ks, plan, hist, 0, sblocks, gate=False)
+        _cuda.launch(
+            f["dgc_count_tiles"],
+            tiles,
+            _BLOCK,
+            (p(x), p(plan), p(tile_hist), i64(n), np.float64(upper), np.float64(lower),
+             np.int32(iters), np.int32(1 if resample else 0)),
+        )  # fmt: skip
+        _cuda.launch(
+            f["dgc_decide"],
+            1,
+            _BLOCK,
+            (p(plan), p(tile_hist), p(rest), i64(tiles), i64(k), np.float64(upper),
+             np.float64(lower), np.int32(iters), np.int32(1 if resample else 0)),
+        )  # fmt: skip
+        # exact top-k (only when the loop stopped on a resample; gated on the device)
+        blocks = max(1, min(tiles, 8 * sms))
+        _radix(f, x, n, k, plan, hist, 8, blocks, gate=True)
+        _cuda.launch(
+            f["dgc_count_exact"], tiles, _BLOCK, (p(x), p(plan), p(rest), i64(tiles), i64(n))
+        )
+        _cuda.launch(
+            f["dgc_tile_offsets"],
+            1,
+            1024,
+            (p(x), p(plan), p(tile_hist), p(rest), i64(tiles), i64(n), np.int32(nthr)),
+        )
+        _cuda.launch(
+            f["dgc_write"],
+            tiles,
+            _BLOCK,
+            (p(x), p(plan), p(rest), p(values), p(indices), i64(tiles), i64(n), i64(k)),
+        )
+    return values, indices
+
+
+def _radix(f, src, n, k, plan, hist, slot, blocks, gate) -> None:
+    """4 passes of 8 bits: the ``k``-th largest |src| bit pattern lands in ``plan[slot]``."""
+    import numpy as np
+
+    for shift in (24, 16, 8, 0):
+        _cuda.launch(
+            f["dgc_radix_hist"],
+            blocks,
+            _BLOCK,
+            (_cuda.ptr(src), _cuda.ptr(plan), _cuda.ptr(hist), np.int64(n), np.int32(shift),
+             np.int32(slot), np.int32(1 if gate else 0)),
+        )  # fmt: skip
+        _cuda.launch(
+            f["dgc_radix_pick"],
+            1,
+            32,
+            (_cuda.ptr(plan), _cuda.ptr(hist), np.int64(k), np.int32(shift), np.int32(slot),
+             np.int32(1 if gate else 0)),
+        )  # fmt: skip
+
+
+def _fake(
+    x: torch.Tensor,
+    k: int,
+    num_samples: int,
+    sample_start: int,
+    sample_stride: int,
+    sample_indices: torch.Tensor | None,
+    upper: float,
+    lower: float,
+    iters: int,
+    resample: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if not 0 <= k <= x.numel():
+        raise ValueError(f"dgc_select: k must be in [0, numel={x.numel()}], got {k}")
+    return x.new_empty(k), x.new_empty(k, dtype=torch.int64)
+
+
+SELECT_OP = define(
+    "dgc_select(Tensor x, int k, int num_samples, int sample_start, int sample_stride, "
+    "Tensor? sample_indices, float upper, float lower, int iters, bool resample) "
+    "-> (Tensor, Tensor)",
+    _reference,
+    cuda=_select_cuda,
+    fake=_fake,
+)
+
+
+def dgc_select(
+    x: torch.Tensor,
+    k: int,
+    num_samples: int,
+    sample_start: int = 0,
+    sample_stride: int = 1,
+    sample_indices: torch.Tensor | None = None,
+    upper: float = 1.3,
+    lower: float = 0.8,
+    iters: int = 10,
+    resample: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DGC's selection of ``k`` entries of contiguous ``x`` (see the module docstring).
+
+    Returns ``(values, indices)``, both of length ``k``: values in ``x``'s dtype, int64
+    indices into ``x.reshape(-1)`` in ascending order, padded with ``-1``/``0``.
+    """
+    for name, v in (
+        ("k", k),
+        ("num_samples", num_samples),
+        ("sample_start", sample_start),
+        ("sample_stride", sample_stride),
+        ("iters", iters),
+    ):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"dgc_select: {name} must be an int, got {type(v).__name__}")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"dgc_select: x must be a tensor, got {type(x).__name__}")
+    return SELECT_OP(
+        x,
+        k,
+        num_samples,
+        sample_start,
+        sample_stride,
+        sample_indices,
+        float(upper),
+        float(lower),
+        iters,
+        bool(resample),
+    )

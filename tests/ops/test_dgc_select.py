@@ -1,0 +1,122 @@
+"""aiak::dgc_select: the op (reference on CPU, kernel on CUDA) against DGC's selection algorithm
+written in float64 numpy (tests/comm/_dgc_ref.py); errors; opcheck; fixed-k output."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import aiak.ops  # noqa: F401
+from aiak.ops.dgc_select import dgc_select
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "comm"))
+from _dgc_ref import select_f64
+
+
+def _data(n: int, kind: str, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if kind == "normal":
+        return torch.randn(n, generator=g)
+    if kind == "heavy":  # a few large entries: the sample misses them, the loop adapts
+        x = torch.randn(n, generator=g) * 1e-3
+        x[torch.randint(0, n, (max(1, n // 500),), generator=g)] *= 1e4
+        return x
+    if kind == "ties":  # few distinct values: the resample branch and tie breaking
+        return torch.randint(-3, 4, (n,), generator=g).float()
+    return torch.linspace(-1, 1, n)  # "ramp": sampled strides alias with the structure
+
+
+def _check(x, k, m, start, stride, upper, lower, iters, resample, device="cpu", sidx=None):
+    v, i = dgc_select(
+        x.to(device), k, m, start, stride, None if sidx is None else sidx.to(device),
+        upper, lower, iters, resample,
+    )  # fmt: skip
+    ev, ei = select_f64(
+        x.numpy(), k, m, start, stride, upper, lower, iters, resample,
+        None if sidx is None else sidx.numpy(),
+    )  # fmt: skip
+    assert v.shape == (k,) and i.shape == (k,) and i.dtype == torch.int64
+    np.testing.assert_array_equal(i.cpu().numpy(), ei)
+    np.testing.assert_array_equal(v.double().cpu().numpy(), ev)
+
+
+@given(
+    n=st.integers(1, 5000),
+    ratio=st.sampled_from([0.001, 0.01, 0.1, 0.5, 1.0]),
+    sample_ratio=st.sampled_from([0.01, 0.1, 1.0]),
+    kind=st.sampled_from(["normal", "heavy", "ties", "ramp"]),
+    resample=st.booleans(),
+    iters=st.sampled_from([0, 1, 10, 20]),
+    seed=st.integers(0, 2**16),
+)
+def test_reference_matches_the_float64_algorithm(
+    n, ratio, sample_ratio, kind, resample, iters, seed
+) -> None:
+    x = _data(n, kind, seed)
+    k = max(1, int(np.ceil(n * ratio)))
+    m = max(1, int(np.ceil(n * sample_ratio)))
+    stride = max(1, n // m)
+    start = seed % stride
+    _check(x, k, m, start, stride, 1.3, 0.8, iters, resample)
+
+
+def test_random_sample_indices_and_padding() -> None:
+    x = torch.zeros(1000)
+    x[:3] = torch.tensor([5.0, -6.0, 7.0])
+    sidx = torch.randint(0, 1000, (50,))
+    _, i = dgc_select(x, 10, 50, 0, 1, sidx, 1.3, 0.8, 10, False)
+    _check(x, 10, 50, 0, 1, 1.3, 0.8, 10, False, sidx=sidx)
+    assert (i[: int((i >= 0).sum())] >= 0).all()
+    _v, i = dgc_select(torch.randn(1000), 10, 100, 0, 10)
+    assert i.shape == (10,)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(k=11), "k must be"),
+        (dict(num_samples=0), "num_samples"),
+        (dict(sample_start=5, sample_stride=2), "leave the tensor"),
+        (dict(upper=1.0), "upper"),
+        (dict(lower=1.0), "lower"),
+        (dict(iters=21), "iters"),
+    ],
+)
+def test_bad_arguments_raise(kwargs, match) -> None:
+    args = dict(k=3, num_samples=5, sample_start=0, sample_stride=2, upper=1.3, lower=0.8, iters=10)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        dgc_select(torch.randn(10), **args)
+    with pytest.raises(TypeError, match="dtype"):
+        dgc_select(torch.arange(10), 3, 5)
+    with pytest.raises(TypeError, match="k must be an int"):
+        dgc_select(torch.randn(10), 3.0, 5)
+
+
+def test_opcheck() -> None:
+    x = torch.randn(4000)
+    for resample in (True, False):
+        torch.library.opcheck(
+            torch.ops.aiak.dgc_select.default, (x, 40, 400, 3, 10, None, 1.3, 0.8, 10, resample)
+        )
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["normal", "heavy", "ties", "ramp"])
+@pytest.mark.parametrize("resample", [True, False])
+@pytest.mark.parametrize("n", [1, 777, 16384, 16385, 1_000_003])
+def test_cuda_kernel_matches_the_algorithm(kind, resample, n) -> None:
+    x = _data(n, kind, n)
+    for ratio in (0.001, 0.05):
+        k = max(1, int(np.ceil(n * ratio)))
+        m = max(1, int(np.ceil(n * 0.01)))
+        stride = max(1, n // m)
+        _check(x, k, m, stride // 2, stride, 1.3, 0.8, 10, resample, device="cuda")
+    sidx = torch.randint(0, n, (max(1, n // 100),))
+    _check(x, max(1, n // 1000), sidx.numel(), 0, 1, 1.3, 0.8, 10, resample, "cuda", sidx)
