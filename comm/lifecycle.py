@@ -12,14 +12,16 @@ tensors and callables whose last reference the finished work held. Two exits go 
   DDP model or a hook state at exit): Python ends the thread, the forced unwind meets C++
   that cannot unwind, and the process aborts ("terminate called without an active exception").
 
-So the groups must die while no Python object of ours holds them, from the world's own
-reference, whose destructor releases the GIL while it joins the threads. :func:`shutdown` does
-that: it drains aiak's worker thread, releases every hook state's groups and futures, detaches
-every live DDP model from its process group, collects garbage, waits for the other ranks, and
-only then destroys the process groups. :func:`exit_rank` is the hard exit for processes that
-exist only to compute and report (aiak's conformance ranks, test workers, benchmarks): after
-shutdown and flushed output it ends the process without running the interpreter's teardown,
-where other libraries' threads could still race it.
+So before a group is destroyed nothing of ours may hold it, and no collective may still be
+finishing. :func:`shutdown` drains aiak's worker thread, waits for and releases every hook
+state's groups and futures, detaches every live DDP model from its process group (reducer,
+logger, hooks), clears the topology's cached groups, collects garbage, meets the other ranks
+in a barrier (after it, every rank's collectives are complete), and only then destroys the
+process groups. A group that torch itself still holds from C++ (DDP's construction keeps one
+in torch 2.13) then lives on with idle threads, which neither deadlock nor abort at exit.
+:func:`exit_rank` is the hard exit for processes that exist only to compute and report (aiak's
+conformance ranks, test workers, benchmarks): after shutdown and flushed output it ends the
+process without the interpreter's teardown, where other libraries' threads could still race it.
 """
 
 from __future__ import annotations
