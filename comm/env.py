@@ -24,6 +24,7 @@ from .hooks import (
     multi_stream,
     nan_check,
 )
+from .perf_check import watch
 from .powersgd import powersgd
 
 __all__ = ["EnvConfig", "bucket_cap_mb", "ddp", "from_env", "parse_env", "register"]
@@ -76,6 +77,8 @@ class EnvConfig:
     accumulate: int = 1  # PERSEUS_ACCUMULATE_N_STEPS
     log_steps: int = 0  # AIAK_COMM_LOG_STEPS
     coalesce: int = 1  # AIAK_COALESCE_BUCKETS
+    perf_steps: int = 0  # PERSEUS_PERF_CHECK_N_STEPS (0: off)
+    perf_margin: float = 0.2  # AIAK_PERF_CHECK_MARGIN: a rank this fraction over the median
 
     def build(self) -> CommHook | None:
         """The hook these settings ask for; ``None`` when they ask for DDP's own allreduce."""
@@ -108,7 +111,6 @@ _UNSUPPORTED = {
     # name: (parser, default, check, expectation)
     "PERSEUS_DOWNSAMPLE_N_ELEMENTS": (int, 1, lambda v: v >= 1, "an integer >= 1"),
     "PERSEUS_GRADIENT_MOMENTUM": (float, 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]"),
-    "PERSEUS_PERF_CHECK_N_STEPS": (int, 0, lambda v: v >= 0, "an integer >= 0"),
 }
 
 
@@ -158,6 +160,17 @@ def parse_env(environ: Mapping[str, str] | None = None) -> EnvConfig:
         ),
         log_steps=n(env, "AIAK_COMM_LOG_STEPS", int, 0, lambda v: v >= 0, "an integer >= 0"),
         coalesce=n(env, "AIAK_COALESCE_BUCKETS", int, 1, lambda v: v >= 1, "an integer >= 1"),
+        perf_steps=n(
+            env, "PERSEUS_PERF_CHECK_N_STEPS", int, 0, lambda v: v >= 0, "an integer >= 0"
+        ),
+        perf_margin=n(
+            env,
+            "AIAK_PERF_CHECK_MARGIN",
+            float,
+            0.2,
+            lambda v: 0 < v < float("inf"),
+            "a finite number > 0 (0.2: 20% over the median)",
+        ),
     )
     if "GLOO_TIMEOUT_SECONDS" in env:
         _check_timeout(env["GLOO_TIMEOUT_SECONDS"])
@@ -247,6 +260,8 @@ def register(
         )
     hook = cfg.build() if hook is None else hook
     if hook is None:
+        if cfg.perf_steps:
+            watch(ddp_model, cfg.perf_steps, margin=cfg.perf_margin)
         return None
     if not isinstance(hook, CommHook):
         raise TypeError(f"register: hook must be an aiak.comm hook, got {type(hook).__name__}")
@@ -259,7 +274,10 @@ def register(
         state.coalesce = check_coalesce("register", coalesce)
     names = {p: name for name, p in ddp_model.module.named_parameters()}
     hook.setup(state, ddp_model.process_group, names)
-    ddp_model.register_comm_hook(state, hook)
+    if cfg.perf_steps:  # slow-rank detection wraps the hook (comm/perf_check.py)
+        watch(ddp_model, cfg.perf_steps, hook, state, margin=cfg.perf_margin)
+    else:
+        ddp_model.register_comm_hook(state, hook)
     return hook
 
 
