@@ -167,6 +167,12 @@ def watch(
             check.last_bucket()
         return inner(st, bucket)
 
+    # DDP checks these annotations as objects; this module's are strings (postponed).
+    timed.__annotations__ = {
+        "st": object,
+        "bucket": dist.GradBucket,
+        "return": torch.futures.Future[torch.Tensor],
+    }
     timed.__name__ = timed.__qualname__ = f"perf_check_{getattr(inner, '__name__', 'hook')}"
     ddp_model.register_forward_pre_hook(check.forward_pre_hook)
     ddp_model.register_comm_hook(state, timed)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _helpers import HERE, SITE, clean_env, run  # noqa: E402
+from _helpers import HERE, SITE, clean_env, run
 
 
 def _probe(**extra: str) -> dict:
