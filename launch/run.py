@@ -157,15 +157,24 @@ def check_env(env: Mapping[str, str]) -> None:
 
 
 def _torchrun_args(
-    nnodes: int, nproc: int, endpoint: str, run_id: str, timeout: int, local_addr: str | None
+    nnodes: int,
+    nproc: int,
+    endpoint: str,
+    run_id: str,
+    timeout: int,
+    local_addr: str | None,
+    is_host: bool | None = None,
 ) -> list[str]:
+    conf = f"join_timeout={timeout}"
+    if is_host is not None:  # who serves the rendezvous store: the first host, said explicitly
+        conf += f",is_host={int(is_host)}"  # (torch guesses it from the host name otherwise)
     args = [
         f"--nnodes={nnodes}",
         f"--nproc-per-node={nproc}",
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={endpoint}",
         f"--rdzv-id={run_id}",
-        f"--rdzv-conf=join_timeout={timeout}",
+        f"--rdzv-conf={conf}",
         "--max-restarts=0",
     ]
     if local_addr:
@@ -188,10 +197,10 @@ def host_commands(
     """Per host, the argv that starts torch's launcher there (through the remote shell)."""
     cwd = cwd or os.getcwd()
     out = []
-    for h in hosts:
+    for i, h in enumerate(hosts):
         launcher = [python, "-m", "torch.distributed.run"]
         launcher += _torchrun_args(
-            len(hosts), h.slots, f"{master_addr}:{port}", run_id, timeout, h.addr
+            len(hosts), h.slots, f"{master_addr}:{port}", run_id, timeout, h.addr, i == 0
         )
         assignments = [f"{k}={v}" for k, v in sorted(env.items())]
         line = " ".join(
