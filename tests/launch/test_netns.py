@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _helpers import AIAKRUN, ROOT, clean_env, run  # noqa: E402
+from _helpers import AIAKRUN, ROOT, clean_env, run
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
