@@ -12,21 +12,21 @@ and only lazily.
 
 from __future__ import annotations
 
-import importlib
-import importlib.abc
-import importlib.machinery
-import logging
 import os
 import sys
-from collections.abc import Mapping
-from typing import Any
+
+# Nothing here is imported at start-up beyond os/sys (already loaded): typing, logging and
+# importlib load when torch is imported, in activate().
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+    from typing import Any
 
 __all__ = ["FEATURES", "activate", "boot", "deactivate", "enabled"]
 
 # Each module has activate(environ) -> list[str] (what it switched on) and deactivate().
 FEATURES = ("aiak.comm.auto", "aiak.optim.auto", "aiak.amp.auto")
 
-logger = logging.getLogger("aiak.launch")
 _activated: list[str] = []  # feature modules activated, in order
 
 
@@ -40,6 +40,8 @@ def _rank() -> str:
 
 
 def _setup_logging() -> None:
+    import logging
+
     root = logging.getLogger("aiak")
     if root.handlers:
         return
@@ -53,8 +55,12 @@ def _setup_logging() -> None:
 
 def activate(environ: Mapping[str, str] | None = None) -> list[str]:
     """Call every subpackage's ``activate``; returns the lines logged (rank 0 logs them)."""
+    import importlib
+    import logging
+
     env = dict(os.environ if environ is None else environ)
     _setup_logging()
+    logger = logging.getLogger("aiak.launch")
     lines: list[str] = []
     for name in FEATURES:
         if name in _activated:
@@ -81,7 +87,7 @@ def deactivate() -> None:
         dist.init_process_group = _saved_init.pop()
 
 
-_saved_init: list[Any] = []  # torch.distributed.init_process_group while AIAK_BACKEND fills it
+_saved_init: list = []  # torch.distributed.init_process_group while AIAK_BACKEND fills it
 
 
 def _default_backend(backend: str) -> str:
@@ -107,7 +113,7 @@ def _default_backend(backend: str) -> str:
     return f"launch: init_process_group() defaults to {backend}"
 
 
-class _AfterTorch(importlib.abc.MetaPathFinder):
+class _AfterTorch:
     """One-shot finder: lets the real finders load ``torch``, then activates."""
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
