@@ -286,6 +286,9 @@ def _run_multi(cmds: Sequence[tuple[Host, list[str]]]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv == ["--site-dir"]:  # for PYTHONPATH where no aiak-auto.pth is installed
+        print(SITE_DIR)
+        return 0
     parser = _parser()
     try:
         own, command = _split(argv)
