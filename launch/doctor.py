@@ -13,6 +13,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -61,15 +62,9 @@ def check_gpus() -> list[Check]:
         )
     else:
         lines = [ln for ln in topo.splitlines() if ln.startswith("GPU")]
-        cells = " ".join(ln.split("\t", 1)[-1] for ln in lines)
+        kinds = ("PIX", "PXB", "PHB", "NODE", "SYS")
         links = sorted(
-            {
-                c
-                for c in cells.split()
-                if c
-                in ("NV1", "NV2", "NV4", "NV8", "NV12", "NV18", "PIX", "PXB", "PHB", "NODE", "SYS")
-                or c.startswith("NV")
-            }
+            {c for ln in lines for c in ln.split() if c in kinds or re.fullmatch(r"NV\d+", c)}
         )
         slow = [c for c in links if c in ("SYS", "NODE", "PHB")]
         rows.append(
