@@ -79,7 +79,7 @@ def activate(environ: Mapping[str, str] | None = None) -> list[str]:
             kwargs["bucket_cap_mb"] = cfg.fusion_mb
         orig(self, module, *args, **kwargs)
         hook = register(self, environ=env)
-        self._aiak_hook = hook
+        self._aiak_hook, self._aiak_auto = hook, True  # a later register() call sees them
         if "ddp" not in _logged and _rank0():
             _logged.add("ddp")
             grads = sum(

@@ -251,6 +251,14 @@ def register(
         raise TypeError(
             f"register: ddp_model must be DistributedDataParallel, got {type(ddp_model).__name__}"
         )
+    if getattr(ddp_model, "_aiak_auto", False):  # comm.auto registered the env's hook already
+        if hook is None:
+            return ddp_model._aiak_hook
+        raise ValueError(
+            "register: aiak's start-up activation (aiakrun / AIAK_AUTO=1) already registered the "
+            "environment's hook on this DDP model; DDP takes one hook: unset the AIAK_/PERSEUS_ "
+            "comm variables to register your own"
+        )
     cfg = parse_env(environ)
     if cfg.fusion_mb is not None and ddp_model.bucket_bytes_cap != int(cfg.fusion_mb * 2**20):
         raise ValueError(

@@ -124,3 +124,31 @@ def test_fused_swap_keeps_groups_and_takes_torch_state(name):
     for q, r in zip(p, ref_p):
         torch.testing.assert_close(q, r, rtol=1e-5, atol=1e-6)
     assert isinstance(opt, torch.optim.Optimizer)
+
+
+def test_explicit_register_after_auto_registration():
+    import datetime
+
+    from torch import nn
+
+    from aiak import comm
+    from aiak.comm import auto
+
+    store = dist.HashStore()
+    dist.init_process_group(
+        "gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=30)
+    )
+    try:
+        auto.activate({"AIAK_FP16_COMPRESSION": "1"})
+        try:
+            model = nn.parallel.DistributedDataParallel(nn.Linear(4, 2))
+        finally:
+            auto.deactivate()
+        assert model._aiak_hook is not None
+        assert comm.register(model) is model._aiak_hook  # the env's hook: nothing new
+        with pytest.raises(ValueError, match="already registered"):
+            comm.register(model, comm.allreduce())
+        model(torch.randn(3, 4)).sum().backward()  # the registered hook runs
+        del model
+    finally:
+        dist.destroy_process_group()
