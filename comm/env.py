@@ -25,6 +25,7 @@ from .hooks import (
     multi_stream,
     nan_check,
 )
+from .perf_check import watch
 from .powersgd import powersgd
 
 __all__ = ["EnvConfig", "bucket_cap_mb", "ddp", "from_env", "parse_env", "register"]
@@ -83,6 +84,8 @@ class EnvConfig:
     coalesce: int = 1  # AIAK_COALESCE_BUCKETS
     downsample: int = 1  # PERSEUS_DOWNSAMPLE_N_ELEMENTS (1: every element every step)
     momentum: float = 1.0  # PERSEUS_GRADIENT_MOMENTUM (memory of the elements not sent)
+    perf_steps: int = 0  # PERSEUS_PERF_CHECK_N_STEPS (0: off)
+    perf_margin: float = 0.2  # AIAK_PERF_CHECK_MARGIN: a rank this fraction over the median
 
     def build(self) -> CommHook | None:
         """The hook these settings ask for; ``None`` when they ask for DDP's own allreduce."""
@@ -113,12 +116,6 @@ class EnvConfig:
         hook.state.log_every = self.log_steps
         hook.state.coalesce = self.coalesce
         return hook
-
-
-_UNSUPPORTED = {
-    # name: (parser, default, check, expectation)
-    "PERSEUS_PERF_CHECK_N_STEPS": (int, 0, lambda v: v >= 0, "an integer >= 0"),
-}
 
 
 def parse_env(environ: Mapping[str, str] | None = None) -> EnvConfig:
@@ -173,12 +170,20 @@ def parse_env(environ: Mapping[str, str] | None = None) -> EnvConfig:
         momentum=n(
             env, "PERSEUS_GRADIENT_MOMENTUM", float, 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]"
         ),
+        perf_steps=n(
+            env, "PERSEUS_PERF_CHECK_N_STEPS", int, 0, lambda v: v >= 0, "an integer >= 0"
+        ),
+        perf_margin=n(
+            env,
+            "AIAK_PERF_CHECK_MARGIN",
+            float,
+            0.2,
+            lambda v: 0 < v < float("inf"),
+            "a finite number > 0 (0.2: 20% over the median)",
+        ),
     )
     if "GLOO_TIMEOUT_SECONDS" in env:
         _check_timeout(env["GLOO_TIMEOUT_SECONDS"])
-    for name, (kind, default, ok, expect) in _UNSUPPORTED.items():
-        if n(env, name, kind, default, ok, expect) != default:
-            raise NotImplementedError(f"{name}: aiak.comm does not implement this feature yet")
     conflicts = [
         (
             cfg.hierarchical and cfg.mode == 0,
@@ -258,6 +263,14 @@ def register(
         raise TypeError(
             f"register: ddp_model must be DistributedDataParallel, got {type(ddp_model).__name__}"
         )
+    if getattr(ddp_model, "_aiak_auto", False):  # comm.auto registered the env's hook already
+        if hook is None:
+            return ddp_model._aiak_hook
+        raise ValueError(
+            "register: aiak's start-up activation (aiakrun / AIAK_AUTO=1) already registered the "
+            "environment's hook on this DDP model; DDP takes one hook: unset the AIAK_/PERSEUS_ "
+            "comm variables to register your own"
+        )
     cfg = parse_env(environ)
     if cfg.fusion_mb is not None and ddp_model.bucket_bytes_cap != int(cfg.fusion_mb * 2**20):
         raise ValueError(
@@ -267,6 +280,8 @@ def register(
         )
     hook = cfg.build() if hook is None else hook
     if hook is None:
+        if cfg.perf_steps:
+            watch(ddp_model, cfg.perf_steps, margin=cfg.perf_margin)
         return None
     if not isinstance(hook, CommHook):
         raise TypeError(f"register: hook must be an aiak.comm hook, got {type(hook).__name__}")
@@ -279,7 +294,10 @@ def register(
         state.coalesce = check_coalesce("register", coalesce)
     names = {p: name for name, p in ddp_model.module.named_parameters()}
     hook.setup(state, ddp_model.process_group, names)
-    ddp_model.register_comm_hook(state, hook)
+    if cfg.perf_steps:  # slow-rank detection wraps the hook (comm/perf_check.py)
+        watch(ddp_model, cfg.perf_steps, hook, state, margin=cfg.perf_margin)
+    else:
+        ddp_model.register_comm_hook(state, hook)
     return hook
 
 

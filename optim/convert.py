@@ -21,6 +21,8 @@ __all__ = ["from_env", "fuse", "install", "uninstall"]
 ENV_VAR = "AIAK_FUSED_OPTIMIZER"
 _SENTINEL = object()
 _saved_lamb: object = _SENTINEL  # what torch.optim.LAMB was before install()
+# torch's classes as imported: aiak.optim.auto may rebind the torch.optim names later.
+_ADAM, _ADAMW, _SGD = torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD
 
 
 def fuse(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -29,11 +31,11 @@ def fuse(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """
     if isinstance(optimizer, (FusedAdam, FusedSGD)):
         return optimizer
-    if type(optimizer) is torch.optim.AdamW:
+    if type(optimizer) is _ADAMW:
         twin: torch.optim.Optimizer = FusedAdamW([torch.zeros(0)])
-    elif type(optimizer) is torch.optim.Adam:
+    elif type(optimizer) is _ADAM:
         twin = FusedAdam([torch.zeros(0)], adam_w_mode=False)
-    elif type(optimizer) is torch.optim.SGD:
+    elif type(optimizer) is _SGD:
         twin = FusedSGD([torch.zeros(0)])
     else:
         raise TypeError(

@@ -117,3 +117,38 @@ def test_cuda_source_compiles(source: Path, arch: str, tmp_path: Path) -> None:
         timeout=300,
     )
     assert out.returncode == 0, out.stderr
+
+
+def _import_time_aiak_imports(pkg: str) -> list[str]:
+    """Imports of another aiak subpackage at module import time (module-level statements)."""
+    bad = []
+    for path in (ROOT / pkg).rglob("*.py"):
+        stack: list[ast.AST] = [ast.parse(path.read_text(), str(path))]
+        while stack:  # every node run at import: function bodies are not
+            node = stack.pop()
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                continue
+            stack.extend(ast.iter_child_nodes(node))
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            for name in names:
+                parts = name.split(".")
+                if parts[0] == "aiak" and len(parts) > 1 and parts[1] != pkg:
+                    bad.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {name}")
+    return bad
+
+
+def test_launch_imports_no_subpackage_at_import_time() -> None:
+    # aiak.launch builds environments and starts torch's launcher; its start-up hook and the
+    # doctor import subpackages lazily (inside functions), when a variable asks for them.
+    assert _import_time_aiak_imports("launch") == []
+    code = (
+        "import sys\nimport aiak.launch, aiak.launch._boot, aiak.launch.flags\n"
+        "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('aiak.')"
+        " and not m.startswith('aiak.launch'))\nassert not bad, bad\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr

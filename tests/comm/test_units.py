@@ -134,10 +134,11 @@ def test_env_contradictions_are_errors(env, names):
         comm.parse_env(env)
 
 
-def test_env_unimplemented_feature_is_not_silently_ignored():
-    with pytest.raises(NotImplementedError, match="PERSEUS_PERF_CHECK_N_STEPS"):
-        comm.parse_env({"PERSEUS_PERF_CHECK_N_STEPS": "4"})
-    comm.parse_env({"PERSEUS_PERF_CHECK_N_STEPS": "0"})  # the default is fine
+def test_env_perf_check_is_parsed():
+    cfg = comm.parse_env({"PERSEUS_PERF_CHECK_N_STEPS": "4", "AIAK_PERF_CHECK_MARGIN": "0.5"})
+    assert (cfg.perf_steps, cfg.perf_margin) == (4, 0.5)
+    with pytest.raises(ValueError, match="PERSEUS_PERF_CHECK_N_STEPS"):
+        comm.parse_env({"PERSEUS_PERF_CHECK_N_STEPS": "-1"})
 
 
 def test_env_downsampling_builds_the_hook():

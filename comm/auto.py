@@ -1,0 +1,117 @@
+"""aiak.comm's part of activation without code change (``aiakrun``, ``AIAK_AUTO=1``).
+
+:func:`activate` reads comm's variables (:func:`aiak.comm.parse_env`: a bad value is a
+``ValueError`` at start-up) and, only when they ask for something, wraps
+``DistributedDataParallel.__init__`` so that every DDP model built afterwards gets the env's
+bucket size and registers the env's hook (:func:`aiak.comm.register`), slow-rank detection
+included. :func:`deactivate` restores ``__init__``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .env import parse_env, register
+
+__all__ = ["activate", "active", "check", "deactivate"]
+
+logger = logging.getLogger("aiak.comm")
+
+# The variables comm reads (parse_env), named in the activation's log line.
+VARIABLES = (
+    "AIAK_HIERARCHICAL_ALLREDUCE",
+    "AIAK_FP16_COMPRESSION",
+    "AIAK_POWERSGD_COMPRESSION",
+    "AIAK_MATRIX_APPROXIMATION_RANK",
+    "AIAK_START_COMPRESS_ITER",
+    "AIAK_COMM_LOG_STEPS",
+    "AIAK_COALESCE_BUCKETS",
+    "AIAK_PERF_CHECK_MARGIN",
+    "PERSEUS_ALLREDUCE_DTYPE",
+    "PERSEUS_ALLREDUCE_MODE",
+    "PERSEUS_ALLREDUCE_NANCHECK",
+    "PERSEUS_ALLREDUCE_GRADIENT_SCALE",
+    "PERSEUS_ALLREDUCE_STREAMS",
+    "PERSEUS_ALLREDUCE_FUSION",
+    "PERSEUS_ACCUMULATE_N_STEPS",
+    "PERSEUS_DOWNSAMPLE_N_ELEMENTS",
+    "PERSEUS_GRADIENT_MOMENTUM",
+    "PERSEUS_PERF_CHECK_N_STEPS",
+)
+
+_saved: dict[str, Any] = {}  # "init" -> DDP.__init__ as found; empty when not active
+_logged: set[str] = set()
+
+
+def _asked(env: Mapping[str, str]) -> list[str]:
+    cfg = parse_env(env)
+    asks = cfg.build() is not None or cfg.perf_steps > 0 or cfg.fusion_mb is not None
+    if not asks:
+        return []
+    return [f"{k}={env[k]}" for k in VARIABLES if k in env]
+
+
+def _rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def activate(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Patch DDP when comm's variables ask for it; returns what was switched on (or [])."""
+    env = dict(os.environ if environ is None else environ)
+    names = _asked(env)
+    if not names or _saved:
+        return []
+    ddp_cls = torch.nn.parallel.DistributedDataParallel
+    orig = ddp_cls.__init__
+    _saved["init"] = vars(ddp_cls).get("__init__")
+
+    @functools.wraps(orig)
+    def __init__(self: Any, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        cfg = parse_env(env)
+        # bucket_cap_mb is DDP's 7th parameter; an explicit one must agree (register checks).
+        if cfg.fusion_mb is not None and "bucket_cap_mb" not in kwargs and len(args) < 6:
+            kwargs["bucket_cap_mb"] = cfg.fusion_mb
+        orig(self, module, *args, **kwargs)
+        hook = register(self, environ=env)
+        self._aiak_hook, self._aiak_auto = hook, True  # a later register() call sees them
+        if "ddp" not in _logged and _rank0():
+            _logged.add("ddp")
+            grads = sum(
+                p.numel() * p.element_size() for p in module.parameters() if p.requires_grad
+            )
+            what = getattr(hook, "__name__", "torch's allreduce")
+            extra = ", slow-rank check" if cfg.perf_steps else ""
+            logger.info(
+                "comm: DDP registered %s%s (%d B of gradients per step)", what, extra, grads
+            )
+
+    ddp_cls.__init__ = __init__
+    return ["comm: DDP models use the hook from " + " ".join(names)]
+
+
+def deactivate() -> None:
+    """Restore ``DistributedDataParallel.__init__``. Idempotent."""
+    if not _saved:
+        return
+    ddp_cls = torch.nn.parallel.DistributedDataParallel
+    before = _saved.pop("init")
+    if before is None:
+        del ddp_cls.__init__
+    else:
+        ddp_cls.__init__ = before
+    _logged.clear()
+
+
+def active() -> bool:
+    return bool(_saved)
+
+
+def check(environ: Mapping[str, str] | None = None) -> None:
+    """Raise ``ValueError`` (naming the variable) for a malformed or contradictory variable."""
+    parse_env(os.environ if environ is None else environ)

@@ -1,0 +1,154 @@
+"""Start-up activation: nothing without variables, each patch reversible, the fused swap."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _helpers import HERE, SITE, clean_env, run
+
+
+def _probe(**extra: str) -> dict:
+    env = clean_env(PYTHONPATH=str(SITE), **extra)
+    out = run([sys.executable, str(HERE / "_probe.py")], env, limit=120)
+    assert out.returncode == 0, out.stdout
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_nothing_is_patched_without_variables():
+    got = _probe()
+    assert got["before_torch"] == [] and got["aiak_modules"] == []
+    assert not got["lamb"] and not got["amp"]
+    assert got["ddp_init"] == ["parallel", "distributed.py"]
+    assert got["adamw"] == "torch.optim.adamw.type"
+    assert got["init_pg"] != "aiak.launch._boot"
+
+
+def test_auto_waits_for_torch_then_activates_what_is_asked():
+    got = _probe(AIAK_AUTO="1")
+    # before the script imports torch: only the start-up hook itself, no torch, no subpackage
+    assert got["before_torch"] == ["aiak.launch", "aiak.launch._boot"]
+    assert got["lamb"] and got["amp"]
+    assert got["ddp_init"] == ["parallel", "distributed.py"]  # no comm variable: untouched
+    assert got["adamw"] == "torch.optim.adamw.type"
+    got = _probe(
+        AIAK_AUTO="1", AIAK_FP16_COMPRESSION="1", AIAK_FUSED_OPTIMIZER="1", AIAK_BACKEND="gloo"
+    )
+    assert got["ddp_init"] == ["comm", "auto.py"]
+    assert got["adamw"] == "torch.optim.adamw._Swap"
+    assert got["init_pg"] == "aiak.launch._boot"
+
+
+def test_variables_without_auto_change_nothing():
+    got = _probe(AIAK_FP16_COMPRESSION="1", AIAK_FUSED_OPTIMIZER="1")
+    assert got["aiak_modules"] == [] and got["ddp_init"] == ["parallel", "distributed.py"]
+
+
+def test_malformed_variable_fails_at_import():
+    env = clean_env(PYTHONPATH=str(SITE), AIAK_AUTO="1", AIAK_FP16_COMPRESSION="yes")
+    out = run([sys.executable, "-c", "import torch"], env, limit=120)
+    assert out.returncode != 0 and "AIAK_FP16_COMPRESSION must be 0 or 1" in out.stdout
+
+
+def test_activate_and_deactivate_restore_everything():
+    from aiak.launch import _boot
+
+    ddp_init = torch.nn.parallel.DistributedDataParallel.__init__
+    classes = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+    init_pg = dist.init_process_group
+    amp_update = torch.amp.GradScaler.update
+    env = {
+        "AIAK_AUTO": "1",
+        "AIAK_FP16_COMPRESSION": "1",
+        "AIAK_FUSED_OPTIMIZER": "1",
+        "AIAK_BACKEND": "gloo",
+    }
+    try:
+        lines = _boot.activate(env)
+        assert any(line.startswith("comm:") for line in lines)
+        assert torch.nn.parallel.DistributedDataParallel.__init__ is not ddp_init
+        assert torch.optim.AdamW is not classes[1] and hasattr(torch.optim, "LAMB")
+        assert dist.init_process_group is not init_pg
+        assert hasattr(torch.cuda.amp, "aiak_amp_decorate")
+    finally:
+        _boot.deactivate()
+    assert torch.nn.parallel.DistributedDataParallel.__init__ is ddp_init
+    assert (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD) == classes
+    assert dist.init_process_group is init_pg and torch.amp.GradScaler.update is amp_update
+    assert not hasattr(torch.optim, "LAMB") and not hasattr(torch.cuda.amp, "aiak_amp_decorate")
+    # nothing asked, nothing done
+    assert _boot.activate({"AIAK_AUTO": "1"}) and _boot.deactivate() is None
+    assert torch.nn.parallel.DistributedDataParallel.__init__ is ddp_init
+
+
+@pytest.mark.parametrize("name", ["Adam", "AdamW", "SGD"])
+def test_fused_swap_keeps_groups_and_takes_torch_state(name):
+    from aiak.optim import auto
+
+    torch.manual_seed(0)
+    ref_p = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(3))]
+    p = [torch.nn.Parameter(t.detach().clone()) for t in ref_p]
+    kw = {"lr": 0.01, "weight_decay": 0.01} | ({"momentum": 0.9} if name == "SGD" else {})
+    ref = getattr(torch.optim, name)(ref_p, **kw)
+
+    def step(opt, params, seed):
+        g = torch.Generator().manual_seed(seed)
+        for q in params:
+            q.grad = torch.randn(q.shape, generator=g)
+        opt.step()
+
+    for s in range(3):  # a torch run with state...
+        step(ref, ref_p, s)
+    try:
+        auto.activate({"AIAK_FUSED_OPTIMIZER": "1"}, lamb=False)
+        opt = getattr(torch.optim, name)(p, **kw)
+    finally:
+        auto.deactivate()
+    assert type(opt).__name__ == f"Fused{'SGD' if name == 'SGD' else name}"
+    assert opt.param_groups[0]["lr"] == 0.01 and opt.param_groups[0]["weight_decay"] == 0.01
+    with torch.no_grad():
+        for q, r in zip(p, ref_p):
+            q.copy_(r)
+    # ...goes on in the swapped optimizer (a copy: torch loads same-device tensors as views)
+    opt.load_state_dict(copy.deepcopy(ref.state_dict()))
+    for s in range(3, 6):
+        step(ref, ref_p, s)
+        step(opt, p, s)
+    for q, r in zip(p, ref_p):
+        torch.testing.assert_close(q, r, rtol=1e-5, atol=1e-6)
+    assert isinstance(opt, torch.optim.Optimizer)
+
+
+def test_explicit_register_after_auto_registration():
+    import datetime
+
+    from torch import nn
+
+    from aiak import comm
+    from aiak.comm import auto
+
+    store = dist.HashStore()
+    dist.init_process_group(
+        "gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=30)
+    )
+    try:
+        auto.activate({"AIAK_FP16_COMPRESSION": "1"})
+        try:
+            model = nn.parallel.DistributedDataParallel(nn.Linear(4, 2))
+        finally:
+            auto.deactivate()
+        assert model._aiak_hook is not None
+        assert comm.register(model) is model._aiak_hook  # the env's hook: nothing new
+        with pytest.raises(ValueError, match="already registered"):
+            comm.register(model, comm.allreduce())
+        model(torch.randn(3, 4)).sum().backward()  # the registered hook runs
+        del model
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,74 @@
+"""aiakrun for real on CPU (gloo): a plain DDP script trains with aiak's hook, a killed rank
+fails the job, a slowed rank is reported."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _helpers import AIAKRUN, HERE, ROOT, clean_env, run
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+PLAIN = ROOT / "examples" / "ddp_plain.py"
+
+
+def _bytes(out: str) -> set[int]:
+    return {int(b) for b in re.findall(r"\[aiak rank 0\] step \d+: sent (\d+) B intra", out)}
+
+
+def test_plain_script_trains_with_fp16_hook_and_half_the_bytes():
+    assert "aiak" not in PLAIN.read_text().lower()
+    argv = [*AIAKRUN, "-np", "4", "--gloo", "--comm-log-steps", "10"]
+    cmd = ["--", sys.executable, str(PLAIN), "--steps", "30"]
+    fp16 = run([*argv, "--fp16-compression", *cmd], clean_env())
+    assert fp16.returncode == 0, fp16.stdout[-4000:]
+    assert "DDP registered aiak_cast" in fp16.stdout
+    grads = int(re.search(r"\((\d+) B of gradients per step\)", fp16.stdout)[1])
+    loss = re.search(r"optimizer AdamW loss ([\d.]+) -> ([\d.]+)", fp16.stdout)
+    assert float(loss[2]) < 0.5 * float(loss[1])
+    # torch's allreduce through aiak's plain hook, same script, same logging
+    fp32 = run([*argv, *cmd], clean_env())
+    assert fp32.returncode == 0, fp32.stdout[-4000:]
+    ring = 2 * 3 * grads // 4  # a ring allreduce over 4 ranks sends 2(N-1)/N of the buffer
+    assert _bytes(fp32.stdout) == {ring}
+    assert _bytes(fp16.stdout) == {ring // 2}
+
+
+def test_fused_optimizer_flag_swaps_the_scripts_optimizer():
+    argv = [*AIAKRUN, "-np", "2", "--gloo", "--fuse-optimizer"]
+    out = run([*argv, "--", sys.executable, str(PLAIN), "--steps", "10"], clean_env())
+    assert out.returncode == 0, out.stdout[-4000:]
+    assert "optim: torch.optim.AdamW built as aiak FusedAdamW" in out.stdout
+    assert "optimizer FusedAdamW loss" in out.stdout
+
+
+def test_a_killed_rank_fails_the_launch():
+    out = run(
+        [*AIAKRUN, "-np", "2", "--gloo", "--", sys.executable, str(HERE / "_die.py")],
+        clean_env(),
+        limit=180,
+    )
+    assert out.returncode != 0
+    assert "failed" in out.stdout
+
+
+def test_slow_rank_is_reported_on_rank_0():
+    env = clean_env(SLOW_RANK="2", SLOW_SECONDS="0.05", STEPS="13")
+    argv = [*AIAKRUN, "-np", "3", "--gloo", "--perf-check-n-steps", "4"]
+    out = run([*argv, "--", sys.executable, str(HERE / "_slow.py")], env)
+    assert out.returncode == 0, out.stdout[-4000:]
+    found = re.findall(
+        r"\[aiak rank 0\] perf check, steps \d+\.\.\d+: rank (\d+) \((.+?)\) is "
+        r"(\d+)% slower",
+        out.stdout,
+    )
+    assert found, out.stdout[-4000:]
+    assert {r for r, _, _ in found} == {"2"}
+    assert all(int(p) > 100 and "CPU" in where for _, where, p in found)
+    # the slow rank tells its own host too
+    assert re.search(r"\[aiak rank 2\] perf check, steps \d+\.\.\d+: rank 2 ", out.stdout)
