@@ -151,7 +151,7 @@ def part_a(args: argparse.Namespace) -> list[dict[str, Any]]:
     probe = build(2)
     _time_loop(resident[:5], probe, None)
     per_two = _time_loop(resident[:20], probe, None)
-    depth = max(1, round(2 * args.compute_ms / per_two))
+    depth = min(48, max(1, round(2 * args.compute_ms / per_two)))  # 48: ~40 GB of activations
     step = build(depth)
     print(f"model: patchify + {depth} MLP blocks of width {args.width}, batch {b}")
 
