@@ -170,7 +170,7 @@ class CudaPrefetcher:
                 f"{device}; move it to the CPU or to {device} in the loader"
             )
 
-        host = map_tensors(pin, batch)
+        host = map_tensors(pin, batch, "batch")
         compute = torch.cuda.current_stream(device)
         with torch.cuda.device(device), torch.cuda.stream(stream):
             if resident:

@@ -91,6 +91,9 @@ def _worker_loop(
                 return
             continue
         if task is None:
+            # Results not yet read are of no use after shutdown: exit without waiting for the
+            # queue's feeder thread to flush them into a pipe nobody reads any more.
+            results.cancel_join_thread()
             return
         key, indices = task
         try:
@@ -127,9 +130,17 @@ def _shutdown(workers: list[Any], tasks: Any, results: Any) -> None:
         if w.is_alive():
             w.kill()
             w.join(_JOIN_S)
+    # The workers are gone: read back what is left in the task pipe so this process's feeder
+    # thread can flush and exit, then join it (bounded; it is a daemon thread either way).
+    with contextlib.suppress(Exception):
+        while True:
+            tasks.get(timeout=0.05)
     for q in (tasks, results):
         q.cancel_join_thread()
         q.close()
+    feeder = getattr(tasks, "_thread", None)
+    if feeder is not None:
+        feeder.join(_JOIN_S)
 
 
 class CrossEpochLoader:

@@ -152,6 +152,26 @@ def test_a_killed_worker_is_an_error_not_a_hang() -> None:
             list(it)
 
 
+class Slow(Dataset):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> int:
+        time.sleep(30)
+        return i
+
+
+def test_timeout_bounds_the_wait_for_a_batch() -> None:
+    loader = DataLoader(Slow(), batch_size=2, num_workers=1)
+    with CrossEpochLoader(loader, timeout=1) as ours:
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="timed out"):
+            next(iter(ours))
+        assert time.monotonic() - start < 20
+        workers = ours.workers
+    assert not any(w.is_alive() for w in workers)  # a busy worker is terminated on close
+
+
 def test_set_epoch_and_abandoned_epochs() -> None:
     def make():
         return DistributedSampler(Numbers(23), num_replicas=1, rank=0, shuffle=True, seed=2)

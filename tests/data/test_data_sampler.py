@@ -34,7 +34,7 @@ def configs(draw):
     if draw(st.booleans()):
         kw["batch_size"] = draw(st.integers(1, 16))
     else:
-        kw["max_tokens"] = max(lengths) + draw(st.integers(0, 2000))
+        kw["max_tokens"] = max(1, *lengths) + draw(st.integers(0, 2000))
     return lengths, replicas, kw, draw(st.integers(0, 5))
 
 
