@@ -14,13 +14,14 @@ Plan of one epoch (identical on every rank, a function of ``(seed, epoch)`` only
 4. Shuffle the order of the steps; rank r takes batch r of every step.
 
 Balance bound: within a step the ranks' real token counts (sum of lengths) differ by at most
-``max_len(step) - min_len(step)`` (round-robin over sorted lengths interleaves the ranks), and
-with ``max_tokens`` every rank's padded batch (size x its longest sample) is <= ``max_tokens``.
+``max_len(step) - min_len(step)`` (round-robin over sorted lengths interleaves the ranks); in
+the one leftover step whose batch sizes may differ by one, by at most ``max_len(step)``. With
+``max_tokens`` every rank's padded batch (size x its longest sample) is <= ``max_tokens``.
 
-Coverage: every index appears exactly once per epoch over all ranks, except in the one final
+Coverage: every index appears exactly once per epoch over all ranks, except in the one leftover
 step: when fewer samples than ranks remain, the ranks without one get a duplicate of a
 sample of that step (at most ``num_replicas - 1`` duplicates per epoch). With
-``drop_last=True`` nothing is duplicated: the final incomplete step is dropped instead (with
+``drop_last=True`` nothing is duplicated: the incomplete leftover step is dropped instead (with
 ``batch_size``, that is ``len % (num_replicas * batch_size)`` random samples, removed before
 grouping). The last step's batches may be up to one sample shorter than others.
 """
@@ -55,7 +56,7 @@ class BalancedDistributedSampler:
             Exactly one of the two. A sample longer than ``max_tokens`` is an error.
         shuffle: permute per epoch (otherwise the plan is a pure function of the lengths).
         seed: the shared seed; every rank must pass the same one.
-        drop_last: drop the final incomplete step instead of duplicating samples into it.
+        drop_last: drop the incomplete leftover step instead of duplicating samples into it.
         group_steps: steps per length-sorted group (larger: tighter length grouping, less
             randomness in which samples share a batch).
 
