@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=3)
     a = p.add_argument_group("part (a)")
     a.add_argument("--batch", type=int, default=256)
-    a.add_argument("--steps", type=int, default=60)
+    a.add_argument("--steps", type=int, default=100)
     a.add_argument("--width", type=int, default=384)
     a.add_argument("--compute-ms", type=float, default=9.0)
     b = p.add_argument_group("part (b)")

@@ -23,7 +23,7 @@ step: when fewer samples than ranks remain, the ranks without one get a duplicat
 sample of that step (at most ``num_replicas - 1`` duplicates per epoch). With
 ``drop_last=True`` nothing is duplicated: the incomplete leftover step is dropped instead (with
 ``batch_size``, that is ``len % (num_replicas * batch_size)`` random samples, removed before
-grouping). The last step's batches may be up to one sample shorter than others.
+grouping). The leftover step's batches may differ in size by one sample.
 """
 
 from __future__ import annotations
