@@ -24,9 +24,11 @@ loop then runs on the counts, so the work is fixed and nothing waits on the host
 are the seed's except where a threshold's single rounding differs from its repeated one.
 
 The CUDA kernel (fp32 only; other dtypes run this reference) computes the same thing bit for
-bit: radix select for ``thr0`` on a compact copy of the samples, one counting pass writing
-per-tile histograms, the loop on one thread, a 4-pass radix select gated on the device for the
-rare resample case, and an ordered compaction from per-tile offsets. Never syncs the host.
+bit in 8 launches (4 when no resample stop can happen) and one read of ``x`` in the common
+case: thr0 by radix digits on a compact sample copy, one counting pass that also keeps each
+tile's few candidates, the loop in that pass's last block, the exact top-k gated on the
+device, and an ordered write from the candidates (docs/dgc.md). Never syncs the host. Its
+workspace is allocated once per (device, stream, sizes) and reused.
 """
 
 from __future__ import annotations
