@@ -42,7 +42,7 @@ from aiak.ops import _cuda
 from aiak.ops._capability import Capability, declare, use_kernel
 from aiak.ops._registry import define
 
-__all__ = ["dgc_plan", "dgc_select", "dgc_thresholds"]
+__all__ = ["dgc_plan", "dgc_select", "dgc_thresholds", "launches_per_call"]
 
 SELECT = declare(Capability("dgc_select", dtypes=(torch.float32,)))
 _SOURCE = "dgc_select.cu"
