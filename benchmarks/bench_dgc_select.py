@@ -5,7 +5,10 @@
 
 Targets (H100): selection >= 10x faster than torch.topk(|g|, k) and within 3x of the time one
 read of the gradient takes at copy bandwidth (copy_bandwidth() counts read + write bytes, so
-one read pass of B bytes takes B / bandwidth).
+one read pass of B bytes takes B / bandwidth). Columns: ``*_ms`` are lone calls between CUDA
+events (host launch time included), ``gpu_ms``/``topk_gpu_ms`` the same calls replayed from a
+CUDA graph (GPU time alone), ``launches`` the kernels of one call (torch.profiler),
+``launches_planned`` what the op issues.
 ``--overlap``: a ResNet-50 step (torchvision, batch 32, NCCL world 1) with DDP + SGD step after
 backward, against the same step with aiak.comm.overlap_step; the share of the optimizer's own
 time (measured alone) that disappears from the step is printed (target >= 70%).
@@ -19,10 +22,25 @@ import math
 import os
 
 import torch
-from _harness import append_csv, copy_bandwidth, print_table, time_eager
+from _harness import append_csv, copy_bandwidth, print_table, time_eager, time_graph
 
 import aiak.ops  # noqa: F401
-from aiak.ops.dgc_select import dgc_select
+from aiak.ops.dgc_select import dgc_select, launches_per_call
+
+
+def kernel_launches(fn) -> int | None:
+    """GPU kernels one call of ``fn`` runs, counted by torch.profiler (None if it cannot)."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        return sum(1 for e in prof.events() if str(e.device_type).endswith("CUDA"))
+    except Exception:
+        return None
 
 
 def bench_select(n: int, ratio: float) -> dict:
@@ -30,18 +48,35 @@ def bench_select(n: int, ratio: float) -> dict:
     k = max(1, math.ceil(n * ratio))
     m = max(1, math.ceil(n * 0.01))
     stride = n // m
-    _, ours, _ = time_eager(lambda: dgc_select(g, k, m, 0, stride))
-    _, topk, _ = time_eager(lambda: torch.topk(g.abs(), k, sorted=False))
+
+    def ours_fn():
+        return dgc_select(g, k, m, 0, stride)
+
+    def topk_fn():
+        return torch.topk(g.abs(), k, sorted=False)
+
+    _, ours, _ = time_eager(ours_fn)
+    _, topk, _ = time_eager(topk_fn)
+    graph = time_graph(ours_fn)  # GPU time alone (no host launch cost)
+    graph_topk = time_graph(topk_fn)
     bw = copy_bandwidth()  # GB/s of read + write
     read_ms = n * 4 / (bw * 1e9) * 1e3  # one read of the gradient at copy bandwidth
+    gpu = graph[1] if graph else float("nan")
+    gpu_topk = graph_topk[1] if graph_topk else float("nan")
     return {
         "n": n,
         "k": k,
         "dgc_select_ms": round(ours, 4),
         "topk_ms": round(topk, 4),
         "speedup_vs_topk": round(topk / ours, 2),
+        "gpu_ms": round(gpu, 4),
+        "topk_gpu_ms": round(gpu_topk, 4),
+        "gpu_speedup": round(gpu_topk / gpu, 2),
         "read_pass_ms": round(read_ms, 4),
         "x_read_pass": round(ours / read_ms, 2),
+        "gpu_x_read_pass": round(gpu / read_ms, 2),
+        "launches": kernel_launches(ours_fn),  # counted; None when the profiler cannot
+        "launches_planned": launches_per_call(True, 10),
     }
 
 

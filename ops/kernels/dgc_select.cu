@@ -1,25 +1,232 @@
 // aiak::dgc_select: DGC's selection with a fixed amount of work and no host synchronisation.
-// Importance = |x| compared as fp32 bit patterns (unsigned; NaN ranks above +inf).
+// Importance = |x| as the int32 bit pattern of a non-negative fp32 (NaN ranks above +inf);
+// -1 marks a lane past the end of x, below every threshold.
 //
-// Launch sequence (ops/dgc_select.py):
-//   gather_samples            |x| at the sample positions -> a compact fp32 buffer
-//   4 x (radix_hist, pick)    thr0 = ks-th largest sample            -> plan[0]
-//   count_tiles               per tile, histogram of "how many candidate thresholds <= |x|"
-//   decide                    column sums, the adaptation loop on one thread -> plan[16..]
-//   4 x (radix_hist, pick)    gated on plan[16] (resample stop): k-th largest |x| -> plan[8]
-//   count_exact               gated: per tile, #(> V) and #(== V)
-//   tile_offsets              one block: ordered offsets of every tile
-//   write                     per tile, ordered compaction of the first k selected
-// Plan words (int64): [0] thr0 prefix, [1] remaining, [2] mask; [8..10] the same for V;
-// [16] exact, [17] first selected bin, [18] threshold bits, [19] thresholds.
+// Launch sequence (ops/dgc_select.py), every step reading what the previous one left in the
+// workspace; a kernel's serial tail runs in its last block (ticket counter), so no kernel is a
+// single thread walking the data:
+//   sample_hist     gather |x| at the sample positions -> compact copy; histogram of bits 30..20;
+//                   last block: the digit holding the ks-th largest sample
+//   sample_finish   histogram of bits 19..9 within that digit, the matching samples listed;
+//                   last block: second digit, bits 8..0 over the short list -> thr0; the table of
+//                   every reachable threshold (by state, sorted, sorted rank)
+//   count           ONE read of x in tiles of 4096 (float4 loads, 16 elements per thread): per
+//                   tile the count at every threshold (registers, one write per tile and
+//                   threshold) and the tile's candidates: the entries at or above the lowest
+//                   threshold whose tile count fits in `cap`, stored in index order;
+//                   last block: totals -> the adaptation loop -> the plan
+//   exact_hist x3   gated on a resample stop: radix select (11, 11, 9 bits) of the k-th largest
+//                   |x|, reading a tile's candidates when they cover the stop threshold, else x
+//   exact_counts    gated: per tile, #(> V) and #(== V)
+//   write           per chunk of 32 tiles: prefix of the selected counts of the tiles before it,
+//                   scan within the chunk, one warp per tile writes its entries in index order
+//                   (from the candidates when they cover, else from x); the tail is padded here.
+// The workspace is zeroed once when allocated; every counter, histogram and total is reset by
+// the last block that reads it, so a call leaves it clean for the next.
 
 #include "mta_common.cuh"
 
-#define TILE 16384
+#define TILE 4096  // elements per tile: BLOCK threads x 4 float4
 #define BLOCK 256
-#define MAXT 232
+#define NWARP (BLOCK / WARP)
+#define MAXT 232    // thresholds at most: (20 + 1) * (20 + 2) / 2 = 231
+#define NREG 12     // thresholds kept in registers by dgc_count_reg
+#define HBINS 2048  // radix bins (11-bit digits)
+#define WCHUNK 32   // tiles per block of dgc_write (one warp's scan)
+#define FULL 0xffffffffu
 
-__device__ __forceinline__ u32 abs_bits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
+// Plan words (int64).
+#define P_SPREFIX 0  // sample select: first digit (bits 30..20)
+#define P_SREM 1     // sample select: rank still to find within it
+#define P_THR0 2
+#define P_EXACT 8    // 1 after a resample stop (exact top-k)
+#define P_LEVEL 9    // sorted position (first of its value) of the final / stop threshold
+#define P_THR 10     // final threshold bits
+#define P_COUNT 11   // #(importance >= final threshold)
+#define P_XPREFIX 16 // exact select: prefix bits, then V
+#define P_XMASK 17
+#define P_XREM 18    // rank still to find; at the end the number of entries == V to take
+#define P_TICKET 24  // last-block ticket
+#define P_LISTN 25   // length of the sample list of dgc_sample_finish
+
+// The workspace, carved from one buffer; ops/dgc_select.py computes the same byte layout.
+struct Ws {
+  i64* plan;
+  u64* hist;
+  u64* totals;
+  u32* thr;
+  u32* sorted;
+  int* rank;
+  u32* samples;
+  u32* list;
+  u32* tile_cnt;  // [threshold][tile]: #(importance >= sorted[j]) in the tile
+  u32* info;      // per tile: (candidate level << 16) | candidate count
+  u32* gt;
+  u32* eq;
+  float* cval;    // per tile, cap entries: candidate values, in index order
+  u16* cidx;      // their index within the tile
+};
+
+__device__ __forceinline__ i64 r16(i64 b) { return (b + 15) & ~(i64)15; }
+
+__device__ __forceinline__ Ws carve(i64* base, i64 m, i64 tiles, int nthr, int cap) {
+  char* p = reinterpret_cast<char*>(base);
+  Ws w;
+  w.plan = reinterpret_cast<i64*>(p);
+  p += 256;
+  w.hist = reinterpret_cast<u64*>(p);
+  p += HBINS * 8;
+  w.totals = reinterpret_cast<u64*>(p);
+  p += 256 * 8;
+  w.thr = reinterpret_cast<u32*>(p);
+  p += 256 * 4;
+  w.sorted = reinterpret_cast<u32*>(p);
+  p += 256 * 4;
+  w.rank = reinterpret_cast<int*>(p);
+  p += 256 * 4;
+  w.samples = reinterpret_cast<u32*>(p);
+  p += r16(m * 4);
+  w.list = reinterpret_cast<u32*>(p);
+  p += r16(m * 4);
+  w.tile_cnt = reinterpret_cast<u32*>(p);
+  p += r16((i64)nthr * tiles * 4);
+  w.info = reinterpret_cast<u32*>(p);
+  p += r16(tiles * 4);
+  w.gt = reinterpret_cast<u32*>(p);
+  p += r16(tiles * 4);
+  w.eq = reinterpret_cast<u32*>(p);
+  p += r16(tiles * 4);
+  w.cval = reinterpret_cast<float*>(p);
+  p += r16(tiles * (i64)cap * 4);
+  w.cidx = reinterpret_cast<u16*>(p);
+  return w;
+}
+
+__device__ __forceinline__ int abs_bits(float v) { return (int)(__float_as_uint(v) & 0x7fffffffu); }
+
+// 4 consecutive elements from e (a multiple of 4): one 16-byte load when x is aligned and the
+// four are in range; b = -1 past the end.
+__device__ __forceinline__ void load4(const float* __restrict__ x, i64 e, i64 n, int vec,
+                                      float (&v)[4], int (&b)[4]) {
+  if (vec && e + 4 <= n) {
+    const Pack<float, 4> pk = reinterpret_cast<const Pack<float, 4>*>(x)[e >> 2];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) v[r] = pk.v[r];
+  } else {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) v[r] = e + r < n ? x[e + r] : 0.f;
+  }
+#pragma unroll
+  for (int r = 0; r < 4; ++r) b[r] = e + r < n ? abs_bits(v[r]) : -1;
+}
+
+__device__ __forceinline__ int warp_excl(int v, int* total) {
+  const int lane = threadIdx.x & 31;
+  int incl = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(FULL, incl, o);
+    if (lane >= o) incl += y;
+  }
+  *total = __shfl_sync(FULL, incl, 31);
+  return incl - v;
+}
+
+// Exclusive scan of one u64 per thread over the block (blockDim.x = BLOCK); *total = the sum.
+// Every thread must call it (it synchronises); `sh` holds NWARP words.
+__device__ u64 block_scan(u64 v, u64* total, u64* sh) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  u64 incl = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const u64 y = __shfl_up_sync(FULL, incl, o);
+    if (lane >= o) incl += y;
+  }
+  if (lane == 31) sh[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    u64 s = lane < NWARP ? sh[lane] : 0;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const u64 y = __shfl_up_sync(FULL, s, o);
+      if (lane >= o) s += y;
+    }
+    if (lane < NWARP) sh[lane] = s;  // inclusive over warps
+  }
+  __syncthreads();
+  const u64 ex = incl - v + (warp ? sh[warp - 1] : 0);
+  *total = sh[NWARP - 1];
+  __syncthreads();
+  return ex;
+}
+
+// True in the block that finishes last; its threads then see every other block's global writes.
+// Every thread must call it after its own global writes.
+__device__ bool last_block(i64* plan) {
+  __shared__ int am_last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const u64 t = atomicAdd(reinterpret_cast<u64*>(plan + P_TICKET), 1ull);
+    am_last = t == (u64)gridDim.x - 1;
+  }
+  __syncthreads();
+  const bool last = am_last;
+  if (last) {
+    __threadfence();
+    if (threadIdx.x == 0) plan[P_TICKET] = 0;
+  }
+  return last;
+}
+
+// Radix step in one block: thread t holds bins [t*PER, t*PER + PER) in c[]. Finds the digit d
+// with cnt(bins > d) < rem <= cnt(bins >= d); out[0] = d, out[1] = rem - cnt(bins > d).
+template <int PER>
+__device__ void pick_digit(const u64 (&c)[PER], i64 rem, i64* out, u64* sh) {
+  u64 s = 0;
+#pragma unroll
+  for (int j = 0; j < PER; ++j) s += c[j];
+  if (threadIdx.x == 0) {  // defined even if the counts were inconsistent
+    out[0] = 0;
+    out[1] = rem;
+  }
+  u64 tot;
+  const u64 ex = block_scan(s, &tot, sh);
+  const i64 above = (i64)(tot - ex - s);  // bins of the threads after this one
+  if (above < rem && above + (i64)s >= rem) {
+    i64 cum = above;
+    bool done = false;
+#pragma unroll
+    for (int j = PER - 1; j >= 0; --j) {
+      if (!done && cum + (i64)c[j] >= rem) {
+        out[0] = (i64)threadIdx.x * PER + j;
+        out[1] = rem - cum;
+        done = true;
+      }
+      if (!done) cum += (i64)c[j];
+    }
+  }
+  __syncthreads();
+}
+
+// The last block's pick over the global histogram (all HBINS bins), which it zeroes.
+__device__ void pick_global(u64* hist, i64 rem, i64* out, u64* sh) {
+  constexpr int PER = HBINS / BLOCK;
+  const volatile u64* vh = hist;
+  u64 c[PER];
+#pragma unroll
+  for (int j = 0; j < PER; ++j) {
+    c[j] = vh[threadIdx.x * PER + j];
+    hist[threadIdx.x * PER + j] = 0;
+  }
+  pick_digit<PER>(c, rem, out, sh);
+}
+
+__device__ void flush_hist(const u32* h, u64* hist) {
+  __syncthreads();
+  for (int j = threadIdx.x; j < HBINS; j += BLOCK)
+    if (h[j]) atomicAdd(&hist[j], (u64)h[j]);
+}
 
 // The threshold bits of state s: resample -> (0, s); otherwise states (a, b), a-major.
 __device__ u32 state_bits(u32 thr0, int s, double upper, double lower, int iters, int resample) {
@@ -43,119 +250,261 @@ __device__ __forceinline__ int state_index(int a, int b, int iters, int resample
   return s + b;
 }
 
-// thr[s] for every state and sorted[] ascending; rank_lo[s] = first sorted position of thr[s].
-__device__ void build_thresholds(u32 thr0, int nthr, double upper, double lower, int iters,
-                                 int resample, u32* thr, u32* sorted, int* rank_lo) {
-  for (int s = threadIdx.x; s < nthr; s += blockDim.x)
+// ---------------------------------------------------------------------------------------------
+// thr0: the ks-th largest sample, by three radix digits (11, 11, 9 bits)
+// ---------------------------------------------------------------------------------------------
+
+extern "C" __global__ void __launch_bounds__(BLOCK)
+    dgc_sample_hist(const float* __restrict__ x, const i64* __restrict__ sidx, i64* base, i64 n,
+                    i64 m, i64 tiles, int nthr, int cap, i64 start, i64 stride, i64 ks) {
+  const Ws w = carve(base, m, tiles, nthr, cap);
+  __shared__ u32 h[HBINS];
+  __shared__ u64 sh[NWARP];
+  __shared__ i64 out[2];
+  for (int j = threadIdx.x; j < HBINS; j += BLOCK) h[j] = 0;
+  __syncthreads();
+  const i64 step = (i64)gridDim.x * BLOCK;
+  for (i64 i0 = (i64)blockIdx.x * BLOCK + threadIdx.x; i0 < m; i0 += 4 * step) {
+    int b[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {  // four independent gathers in flight
+      const i64 i = i0 + r * step;
+      b[r] = i < m ? abs_bits(x[sidx ? sidx[i] : start + i * stride]) : -1;
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      if (b[r] >= 0) {
+        w.samples[i0 + r * step] = (u32)b[r];
+        atomicAdd(&h[b[r] >> 20], 1u);
+      }
+    }
+  }
+  flush_hist(h, w.hist);
+  if (!last_block(w.plan)) return;
+  pick_global(w.hist, ks, out, sh);
+  if (threadIdx.x == 0) {
+    w.plan[P_SPREFIX] = out[0];
+    w.plan[P_SREM] = out[1];
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(BLOCK)
+    dgc_sample_finish(i64* base, i64 n, i64 m, i64 tiles, int nthr, int cap, double upper,
+                      double lower, int iters, int resample) {
+  const Ws w = carve(base, m, tiles, nthr, cap);
+  __shared__ u32 h[HBINS];
+  __shared__ u64 sh[NWARP];
+  __shared__ i64 out[2];
+  __shared__ u32 thr[MAXT], sorted[MAXT];
+  const int d1 = (int)w.plan[P_SPREFIX];
+  const i64 rem1 = w.plan[P_SREM];
+  for (int j = threadIdx.x; j < HBINS; j += BLOCK) h[j] = 0;
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  u64* listn = reinterpret_cast<u64*>(w.plan + P_LISTN);
+  for (i64 i0 = (i64)blockIdx.x * BLOCK; i0 < m; i0 += (i64)gridDim.x * BLOCK) {
+    const i64 i = i0 + threadIdx.x;  // i0 is the same for the whole block: full warps below
+    const int b = i < m ? (int)w.samples[i] : -1;
+    const bool match = b >= 0 && (b >> 20) == d1;
+    if (match) atomicAdd(&h[(b >> 9) & (HBINS - 1)], 1u);
+    const u32 mask = __ballot_sync(FULL, match);
+    if (mask) {
+      const int leader = __ffs(mask) - 1;
+      u64 pos = 0;
+      if (lane == leader) pos = atomicAdd(listn, (u64)__popc(mask));
+      pos = __shfl_sync(FULL, pos, leader);
+      if (match) w.list[pos + __popc(mask & ((1u << lane) - 1u))] = (u32)b;
+    }
+  }
+  flush_hist(h, w.hist);
+  if (!last_block(w.plan)) return;
+  pick_global(w.hist, rem1, out, sh);
+  const int d2 = (int)out[0];
+  const i64 rem2 = out[1];
+  const int prefix = (d1 << 11) | d2;
+  const i64 len = (i64)*reinterpret_cast<volatile u64*>(listn);
+  const volatile u32* vlist = w.list;
+  for (int j = threadIdx.x; j < 512; j += BLOCK) h[j] = 0;
+  __syncthreads();
+  for (i64 i = threadIdx.x; i < len; i += BLOCK) {
+    const int b = (int)vlist[i];
+    if ((b >> 9) == prefix) atomicAdd(&h[b & 511], 1u);
+  }
+  __syncthreads();
+  u64 c[2] = {h[threadIdx.x * 2], h[threadIdx.x * 2 + 1]};
+  pick_digit<2>(c, rem2, out, sh);
+  const u32 thr0 = ((u32)prefix << 9) | (u32)out[0];
+  // every threshold the loop can reach, its sorted order and sorted rank
+  for (int s = threadIdx.x; s < nthr; s += BLOCK)
     thr[s] = state_bits(thr0, s, upper, lower, iters, resample);
   __syncthreads();
-  for (int s = threadIdx.x; s < nthr; s += blockDim.x) {
+  for (int s = threadIdx.x; s < nthr; s += BLOCK) {
     int less = 0, before = 0;
     for (int t = 0; t < nthr; ++t) {
       less += thr[t] < thr[s];
       before += (t < s) & (thr[t] == thr[s]);
     }
     sorted[less + before] = thr[s];
-    if (rank_lo) rank_lo[s] = less;
+    w.thr[s] = thr[s];
+    w.rank[s] = less;
   }
   __syncthreads();
-}
-
-extern "C" __global__ void __launch_bounds__(BLOCK)
-    dgc_gather_samples(const float* __restrict__ x, const i64* __restrict__ sidx,
-                       float* __restrict__ out, i64 start, i64 stride, i64 m) {
-  for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < m; i += (i64)gridDim.x * blockDim.x) {
-    const i64 j = sidx ? sidx[i] : start + i * stride;
-    out[i] = __uint_as_float(abs_bits(x[j]));
-  }
-}
-
-extern "C" __global__ void __launch_bounds__(BLOCK)
-    dgc_radix_hist(const float* __restrict__ src, const i64* __restrict__ plan, u64* hist, i64 n,
-                   int shift, int slot, int gate) {
-  if (gate && plan[16] == 0) return;
-  __shared__ u32 sh[256];
-  sh[threadIdx.x] = 0;
-  __syncthreads();
-  const u32 prefix = (u32)plan[slot], mask = (u32)plan[slot + 2];
-  for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
-    const u32 b = abs_bits(src[i]);
-    if ((b & mask) == prefix) atomicAdd(&sh[(b >> shift) & 255u], 1u);
-  }
-  __syncthreads();
-  if (sh[threadIdx.x]) atomicAdd(&hist[threadIdx.x], (u64)sh[threadIdx.x]);
-}
-
-extern "C" __global__ void dgc_radix_pick(i64* plan, u64* hist, i64 k, int shift, int slot,
-                                          int gate) {
-  if (gate && plan[16] == 0) return;
+  for (int s = threadIdx.x; s < nthr; s += BLOCK) w.sorted[s] = sorted[s];
   if (threadIdx.x == 0) {
-    i64 rem = shift == 24 ? k : plan[slot + 1];
-    i64 cum = 0;
-    int d = 0;
-    for (int j = 255; j >= 0; --j) {
-      const i64 c = (i64)hist[j];
-      if (cum + c >= rem) {
-        d = j;
-        break;
+    w.plan[P_THR0] = thr0;
+    *listn = 0;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The counting pass: one read of x, every threshold counted, the candidates kept, the decision
+// ---------------------------------------------------------------------------------------------
+
+template <bool REG>
+__device__ void count_body(const float* __restrict__ x, i64* base, i64 n, i64 m, i64 tiles,
+                           int nthr, int cap, int vec, i64 k, double upper, double lower, int iters,
+                           int resample) {
+  const Ws w = carve(base, m, tiles, nthr, cap);
+  __shared__ int s_sorted[MAXT];
+  __shared__ u32 s_hist[MAXT + 1];
+  __shared__ u32 s_warp[NWARP][NREG];
+  __shared__ u32 s_cnt[MAXT];
+  __shared__ u64 s_tot[MAXT];
+  __shared__ u64 sh[NWARP];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  for (int j = tid; j < nthr; j += BLOCK) {
+    s_sorted[j] = (int)w.sorted[j];
+    s_tot[j] = 0;
+  }
+  __syncthreads();
+  int treg[NREG];
+#pragma unroll
+  for (int j = 0; j < NREG; ++j) treg[j] = REG && j < nthr ? s_sorted[j] : 0x7fffffff;
+
+  for (i64 t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const i64 lo = t * TILE;
+    int b[16];
+    u32 neg = 0;  // sign bits: the values are rebuilt from b for the candidates
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      float v4[4];
+      int b4[4];
+      load4(x, lo + ((i64)q * BLOCK + tid) * 4, n, vec, v4, b4);
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        b[4 * q + r] = b4[r];
+        neg |= (__float_as_uint(v4[r]) >> 31) << (4 * q + r);
       }
-      cum += c;
     }
-    plan[slot] = (i64)((u32)plan[slot] | ((u32)d << shift));
-    plan[slot + 1] = rem - cum;
-    plan[slot + 2] = (i64)((u32)plan[slot + 2] | (255u << shift));
-  }
-  __syncwarp();
-  for (int j = threadIdx.x; j < 256; j += blockDim.x) hist[j] = 0;
-}
-
-extern "C" __global__ void __launch_bounds__(BLOCK)
-    dgc_count_tiles(const float* __restrict__ x, const i64* __restrict__ plan, i64* tile_hist,
-                    i64 n, double upper, double lower, int iters, int resample) {
-  __shared__ u32 thr[MAXT], sorted[MAXT];
-  __shared__ u32 sh[MAXT + 1];
-  const int nthr = resample ? iters + 1 : (iters + 1) * (iters + 2) / 2;
-  build_thresholds((u32)plan[0], nthr, upper, lower, iters, resample, thr, sorted, nullptr);
-  for (int j = threadIdx.x; j <= nthr; j += blockDim.x) sh[j] = 0;
-  __syncthreads();
-  const i64 lo = (i64)blockIdx.x * TILE;
-  const i64 hi = lo + TILE < n ? lo + TILE : n;
-  for (i64 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-    const u32 b = abs_bits(x[i]);
-    if (b < sorted[0]) continue;
-    int l = 1, h = nthr;  // the number of thresholds <= b, in [1, nthr]
-    while (l < h) {
-      const int mid = (l + h) >> 1;
-      if (sorted[mid] <= b) l = mid + 1;
-      else h = mid;
+    if (REG) {
+      int c[NREG];
+#pragma unroll
+      for (int j = 0; j < NREG; ++j) c[j] = 0;
+#pragma unroll
+      for (int e = 0; e < 16; ++e) {
+#pragma unroll
+        for (int j = 0; j < NREG; ++j) c[j] += b[e] >= treg[j];
+      }
+#pragma unroll
+      for (int j = 0; j < NREG; ++j) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) c[j] += __shfl_xor_sync(FULL, c[j], o);
+      }
+      if (lane == 0) {
+#pragma unroll
+        for (int j = 0; j < NREG; ++j) s_warp[warp][j] = (u32)c[j];
+      }
+      __syncthreads();
+      if (tid < nthr) {
+        u32 s = 0;
+#pragma unroll
+        for (int q = 0; q < NWARP; ++q) s += s_warp[q][tid];
+        s_cnt[tid] = s;
+      }
+      __syncthreads();
+    } else {
+      for (int j = tid; j <= nthr; j += BLOCK) s_hist[j] = 0;
+      __syncthreads();
+      const int lowest = s_sorted[0];
+#pragma unroll
+      for (int e = 0; e < 16; ++e) {
+        if (b[e] >= lowest) {
+          int l = 1, hi = nthr;  // the number of thresholds <= b, in [1, nthr]
+          while (l < hi) {
+            const int mid = (l + hi) >> 1;
+            if (s_sorted[mid] <= b[e]) l = mid + 1;
+            else hi = mid;
+          }
+          atomicAdd(&s_hist[l], 1u);
+        }
+      }
+      __syncthreads();
+      // #(b >= sorted[j]) = sum of the bins l > j: a scan from the top bin down
+      const u64 hv = tid < nthr ? s_hist[nthr - tid] : 0;
+      u64 tot;
+      const u64 ex = block_scan(hv, &tot, sh);
+      if (tid < nthr) s_cnt[nthr - 1 - tid] = (u32)(ex + hv);
+      __syncthreads();
     }
-    atomicAdd(&sh[l], 1u);
+    // candidate level: the lowest threshold whose count in this tile fits in cap (counts fall
+    // as j rises)
+    int lv = 0, hv2 = nthr;
+    while (lv < hv2) {
+      const int mid = (lv + hv2) >> 1;
+      if (s_cnt[mid] <= (u32)cap) hv2 = mid;
+      else lv = mid + 1;
+    }
+    const u32 ncand = lv < nthr ? s_cnt[lv] : 0;
+    if (tid < nthr) {
+      w.tile_cnt[(i64)tid * tiles + t] = s_cnt[tid];
+      s_tot[tid] += s_cnt[tid];
+    }
+    if (tid == 0) w.info[t] = ((u32)lv << 16) | ncand;
+    if (ncand > 0) {  // the same in every thread: block_scan may synchronise
+      const int T = s_sorted[lv];
+      u64 packed = 0;  // per float4 row, the thread's candidates (16-bit fields: <= 1024 each)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        int nq = 0;
+#pragma unroll
+        for (int r = 0; r < 4; ++r) nq += b[4 * q + r] >= T;
+        packed |= (u64)nq << (16 * q);
+      }
+      u64 tot;
+      const u64 ex = block_scan(packed, &tot, sh);
+      float* cv = w.cval + t * cap;
+      u16* ci = w.cidx + t * cap;
+      u32 row = 0;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        u32 pos = row + (u32)((ex >> (16 * q)) & 0xffffu);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int e = 4 * q + r;
+          if (b[e] >= T) {
+            cv[pos] = __uint_as_float((u32)b[e] | (((neg >> e) & 1u) << 31));
+            ci[pos] = (u16)((q * BLOCK + tid) * 4 + r);
+            ++pos;
+          }
+        }
+        row += (u32)((tot >> (16 * q)) & 0xffffu);
+      }
+    }
+    __syncthreads();  // s_cnt, s_warp, s_hist are rewritten by the next tile
+  }
+  for (int j = tid; j < nthr; j += BLOCK)
+    if (s_tot[j]) atomicAdd(&w.totals[j], s_tot[j]);
+  if (!last_block(w.plan)) return;
+  // the adaptation loop on the totals
+  const volatile u64* vt = w.totals;
+  for (int j = tid; j < nthr; j += BLOCK) {
+    s_tot[j] = vt[j];
+    w.totals[j] = 0;
   }
   __syncthreads();
-  for (int j = threadIdx.x; j <= nthr; j += blockDim.x)
-    tile_hist[(i64)blockIdx.x * (nthr + 1) + j] = sh[j];
-}
-
-extern "C" __global__ void __launch_bounds__(BLOCK)
-    dgc_decide(i64* plan, const i64* __restrict__ tile_hist, i64* rest, i64 tiles, i64 k,
-               double upper, double lower, int iters, int resample) {
-  __shared__ u32 thr[MAXT], sorted[MAXT];
-  __shared__ int rank_lo[MAXT];
-  __shared__ i64 suffix[MAXT + 2];
-  const int nthr = resample ? iters + 1 : (iters + 1) * (iters + 2) / 2;
-  build_thresholds((u32)plan[0], nthr, upper, lower, iters, resample, thr, sorted, rank_lo);
-  for (int j = threadIdx.x; j <= nthr; j += blockDim.x) {
-    i64 s = 0;
-    for (i64 t = 0; t < tiles; ++t) s += tile_hist[t * (nthr + 1) + j];
-    suffix[j] = s;
-  }
-  __syncthreads();
-  if (threadIdx.x != 0) return;
-  suffix[nthr + 1] = 0;
-  for (int j = nthr; j >= 0; --j) suffix[j] += suffix[j + 1];
-  int a = 0, b = 0, exact = 0;
-  int s = 0;
-  i64 c = suffix[rank_lo[0] + 1];
+  if (tid != 0) return;
+  int a = 0, bb = 0, exact = 0;
+  i64 c = (i64)s_tot[w.rank[0]];
   for (int it = 0; it < iters; ++it) {
     if ((double)c > upper * (double)k) {
       if (resample) {
@@ -164,163 +513,259 @@ extern "C" __global__ void __launch_bounds__(BLOCK)
       }
       ++a;
     } else if ((double)c < lower * (double)k) {
-      ++b;
+      ++bb;
     } else {
       break;
     }
-    s = state_index(a, b, iters, resample);
-    c = suffix[rank_lo[s] + 1];
+    c = (i64)s_tot[w.rank[state_index(a, bb, iters, resample)]];
   }
-  s = state_index(a, b, iters, resample);
-  plan[16] = exact;
-  plan[17] = rank_lo[s] + 1;
-  plan[18] = thr[s];
-  plan[19] = nthr;
+  const int s = state_index(a, bb, iters, resample);
+  w.plan[P_EXACT] = exact;
+  w.plan[P_LEVEL] = w.rank[s];
+  w.plan[P_THR] = w.thr[s];
+  w.plan[P_COUNT] = (i64)s_tot[w.rank[s]];
+  w.plan[P_XPREFIX] = 0;
+  w.plan[P_XMASK] = 0;
+  w.plan[P_XREM] = k;
 }
+
+// nthr <= NREG: thresholds in registers, 12 compares per element.
+extern "C" __global__ void __launch_bounds__(BLOCK, 4)
+    dgc_count_reg(const float* __restrict__ x, i64* base, i64 n, i64 m, i64 tiles, int nthr,
+                  int cap, int vec, i64 k, double upper, double lower, int iters, int resample) {
+  count_body<true>(x, base, n, m, tiles, nthr, cap, vec, k, upper, lower, iters, resample);
+}
+
+// More thresholds (no resample, or more iterations): binary search in shared memory.
+extern "C" __global__ void __launch_bounds__(BLOCK, 4)
+    dgc_count_search(const float* __restrict__ x, i64* base, i64 n, i64 m, i64 tiles, int nthr,
+                     int cap, int vec, i64 k, double upper, double lower, int iters, int resample) {
+  count_body<false>(x, base, n, m, tiles, nthr, cap, vec, k, upper, lower, iters, resample);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Exact top-k after a resample stop (every kernel returns at once otherwise)
+// ---------------------------------------------------------------------------------------------
+
+// A tile's candidates hold every entry >= the stop threshold when their level is at or below it.
+__device__ __forceinline__ bool covered(u32 info, int level) { return (int)(info >> 16) <= level; }
 
 extern "C" __global__ void __launch_bounds__(BLOCK)
-    dgc_count_exact(const float* __restrict__ x, const i64* __restrict__ plan, i64* rest, i64 tiles,
-                    i64 n) {
-  if (plan[16] == 0) return;
-  __shared__ u32 gt, eq;
-  if (threadIdx.x == 0) gt = eq = 0;
+    dgc_exact_hist(const float* __restrict__ x, i64* base, i64 n, i64 m, i64 tiles, int nthr,
+                   int cap, int vec, int pass) {
+  const Ws w = carve(base, m, tiles, nthr, cap);
+  if (w.plan[P_EXACT] == 0) return;
+  __shared__ u32 h[HBINS];
+  __shared__ u64 sh[NWARP];
+  __shared__ i64 out[2];
+  const int shift = pass == 0 ? 20 : (pass == 1 ? 9 : 0);
+  const int dmask = pass == 2 ? 511 : 2047;
+  const int prefix = (int)w.plan[P_XPREFIX], mask = (int)w.plan[P_XMASK];
+  const int level = (int)w.plan[P_LEVEL];
+  for (int j = threadIdx.x; j < HBINS; j += BLOCK) h[j] = 0;
   __syncthreads();
-  const u32 v = (u32)plan[8];
-  const i64 lo = (i64)blockIdx.x * TILE;
-  const i64 hi = lo + TILE < n ? lo + TILE : n;
-  u32 g = 0, e = 0;
-  for (i64 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-    const u32 b = abs_bits(x[i]);
-    g += b > v;
-    e += b == v;
-  }
-  atomicAdd(&gt, g);
-  atomicAdd(&eq, e);
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    rest[blockIdx.x] = gt;
-    rest[tiles + blockIdx.x] = eq;
-  }
-}
-
-// Exclusive scan of one value per thread over a block of 1024; returns the block total.
-__device__ i64 block_scan_1024(i64 v, i64* out, i64* warp_sums) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  i64 incl = v;
-  for (int o = 1; o < 32; o <<= 1) {
-    const i64 y = __shfl_up_sync(0xffffffffu, incl, o);
-    if (lane >= o) incl += y;
-  }
-  if (lane == 31) warp_sums[warp] = incl;
-  __syncthreads();
-  if (warp == 0) {
-    i64 w = warp_sums[lane];
-    for (int o = 1; o < 32; o <<= 1) {
-      const i64 y = __shfl_up_sync(0xffffffffu, w, o);
-      if (lane >= o) w += y;
-    }
-    warp_sums[lane] = w;  // inclusive over warps
-  }
-  __syncthreads();
-  *out = incl - v + (warp ? warp_sums[warp - 1] : 0);
-  const i64 total = warp_sums[31];
-  __syncthreads();
-  return total;
-}
-
-extern "C" __global__ void __launch_bounds__(1024)
-    dgc_tile_offsets(const float* __restrict__ x, const i64* __restrict__ plan,
-                     const i64* __restrict__ tile_hist, i64* rest, i64 tiles, i64 n, int nthr) {
-  __shared__ i64 warp_sums[32];
-  const int exact = (int)plan[16];
-  const int first = (int)plan[17];
-  const i64 room = plan[9];  // equal-to-V entries to take (exact mode)
-  i64* gt = rest;
-  i64* eq = rest + tiles;
-  i64* offs = rest + 2 * tiles;
-  i64* eq_before = rest + 3 * tiles;
-  i64 carry = 0;
-  if (exact) {
-    for (i64 base = 0; base < tiles; base += 1024) {
-      const i64 t = base + threadIdx.x;
-      const i64 v = t < tiles ? eq[t] : 0;
-      i64 ex;
-      const i64 tot = block_scan_1024(v, &ex, warp_sums);
-      if (t < tiles) eq_before[t] = carry + ex;
-      carry += tot;
-    }
-    __syncthreads();
-  }
-  carry = 0;
-  for (i64 base = 0; base < tiles; base += 1024) {
-    const i64 t = base + threadIdx.x;
-    i64 v = 0;
-    if (t < tiles) {
-      if (exact) {
-        i64 take = room - eq_before[t];
-        take = take < 0 ? 0 : (take > eq[t] ? eq[t] : take);
-        v = gt[t] + take;
-      } else {
-        for (int j = first; j <= nthr; ++j) v += tile_hist[t * (nthr + 1) + j];
+  // Entries below the stop threshold that a covering tile did not keep are all below V: the
+  // counts of the digits at and above V's are exact.
+  for (i64 t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const u32 info = w.info[t];
+    if (covered(info, level)) {
+      const int nc = (int)(info & 0xffffu);
+      for (int i = threadIdx.x; i < nc; i += BLOCK) {
+        const int b = abs_bits(w.cval[t * cap + i]);
+        if ((b & mask) == prefix) atomicAdd(&h[(b >> shift) & dmask], 1u);
+      }
+    } else {
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        float v4[4];
+        int b4[4];
+        load4(x, t * TILE + ((i64)q * BLOCK + threadIdx.x) * 4, n, vec, v4, b4);
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+          if (b4[r] >= 0 && (b4[r] & mask) == prefix) atomicAdd(&h[(b4[r] >> shift) & dmask], 1u);
       }
     }
-    i64 ex;
-    const i64 tot = block_scan_1024(v, &ex, warp_sums);
-    if (t < tiles) offs[t] = carry + ex;
-    carry += tot;
+  }
+  flush_hist(h, w.hist);
+  if (!last_block(w.plan)) return;
+  pick_global(w.hist, w.plan[P_XREM], out, sh);
+  if (threadIdx.x == 0) {
+    w.plan[P_XPREFIX] = prefix | ((int)out[0] << shift);
+    w.plan[P_XMASK] = mask | (dmask << shift);
+    w.plan[P_XREM] = out[1];
   }
 }
 
 extern "C" __global__ void __launch_bounds__(BLOCK)
-    dgc_write(const float* __restrict__ x, const i64* __restrict__ plan, const i64* __restrict__ rest,
-              float* __restrict__ values, i64* __restrict__ indices, i64 tiles, i64 n, i64 k) {
-  __shared__ u32 warp_sel[BLOCK / WARP], warp_eq[BLOCK / WARP];
-  i64 offset = rest[2 * tiles + blockIdx.x];
-  if (offset >= k) return;
-  const int exact = (int)plan[16];
-  const u32 thr = (u32)plan[18], v = (u32)plan[8];
-  const i64 room = plan[9];
-  i64 eq_seen = exact ? rest[3 * tiles + blockIdx.x] : 0;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const u32 lt = (1u << lane) - 1u;
-  const i64 lo = (i64)blockIdx.x * TILE;
-  const i64 hi = lo + TILE < n ? lo + TILE : n;
-  for (i64 base = lo; base < hi && offset < k; base += BLOCK) {
-    const i64 i = base + threadIdx.x;
-    float xv = 0.f;
-    u32 b = 0;
-    const bool in = i < hi;
-    if (in) {
-      xv = x[i];
-      b = abs_bits(xv);
+    dgc_exact_counts(const float* __restrict__ x, i64* base, i64 n, i64 m, i64 tiles, int nthr,
+                     int cap, int vec) {
+  const Ws w = carve(base, m, tiles, nthr, cap);
+  if (w.plan[P_EXACT] == 0) return;
+  __shared__ u64 sh[NWARP];
+  const int V = (int)w.plan[P_XPREFIX];
+  const int level = (int)w.plan[P_LEVEL];
+  for (i64 t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const u32 info = w.info[t];
+    u64 ge = 0;  // (#> V) | (#== V) << 32
+    if (covered(info, level)) {
+      const int nc = (int)(info & 0xffffu);
+      for (int i = threadIdx.x; i < nc; i += BLOCK) {
+        const int b = abs_bits(w.cval[t * cap + i]);
+        ge += (u64)(b > V) | ((u64)(b == V) << 32);
+      }
+    } else {
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        float v4[4];
+        int b4[4];
+        load4(x, t * TILE + ((i64)q * BLOCK + threadIdx.x) * 4, n, vec, v4, b4);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) ge += (u64)(b4[r] > V) | ((u64)(b4[r] == V) << 32);
+      }
     }
-    // equal-to-V entries are taken in index order while room lasts (exact mode)
-    const bool is_eq = in && exact && b == v;
-    const u32 eq_mask = __ballot_sync(0xffffffffu, is_eq);
-    if (lane == 0) warp_eq[warp] = __popc(eq_mask);
-    __syncthreads();
-    i64 eq_rank = eq_seen + __popc(eq_mask & lt);
-    u32 eq_total = 0;
-    for (int w = 0; w < BLOCK / WARP; ++w) {
-      if (w < warp) eq_rank += warp_eq[w];
-      eq_total += warp_eq[w];
+    u64 tot;
+    block_scan(ge, &tot, sh);
+    if (threadIdx.x == 0) {
+      w.gt[t] = (u32)tot;
+      w.eq[t] = (u32)(tot >> 32);
     }
-    const bool sel = in && (exact ? (b > v || (is_eq && eq_rank < room)) : b >= thr);
-    const u32 sel_mask = __ballot_sync(0xffffffffu, sel);
-    if (lane == 0) warp_sel[warp] = __popc(sel_mask);
-    __syncthreads();
-    i64 pos = offset + __popc(sel_mask & lt);
-    u32 sel_total = 0;
-    for (int w = 0; w < BLOCK / WARP; ++w) {
-      if (w < warp) pos += warp_sel[w];
-      sel_total += warp_sel[w];
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The ordered write
+// ---------------------------------------------------------------------------------------------
+
+// One warp, R entries per lane in lane-major index order: the selected ones go to
+// [off, off + count) while below k. eqseen counts the entries == V met before (exact mode).
+template <int R>
+__device__ __forceinline__ void emit(const int (&b)[R], const float (&v)[R], const i64 (&idx)[R],
+                                     int exact, int thr, int V, i64 room, i64 k, i64& off,
+                                     i64& eqseen, float* __restrict__ values,
+                                     i64* __restrict__ indices) {
+  int neq = 0;
+#pragma unroll
+  for (int r = 0; r < R; ++r) neq += exact && b[r] == V;
+  int eqt;
+  const int eqx = warp_excl(neq, &eqt);
+  i64 er = eqseen + eqx;
+  bool sel[R];
+  int ns = 0;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const bool isq = exact && b[r] == V;
+    sel[r] = exact ? (b[r] > V || (isq && er < room)) : b[r] >= thr;
+    er += isq;
+    ns += sel[r];
+  }
+  int st;
+  i64 pos = off + warp_excl(ns, &st);
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    if (sel[r]) {
+      if (pos < k) {
+        values[pos] = v[r];
+        indices[pos] = idx[r];
+      }
+      ++pos;
     }
-    if (sel && pos < k) {
-      values[pos] = xv;
-      indices[pos] = i;
+  }
+  off += st;
+  eqseen += eqt;
+}
+
+extern "C" __global__ void __launch_bounds__(BLOCK)
+    dgc_write(const float* __restrict__ x, i64* base, i64 n, i64 m, i64 tiles, int nthr, int cap,
+              int vec, i64 k, float* __restrict__ values, i64* __restrict__ indices) {
+  const Ws w = carve(base, m, tiles, nthr, cap);
+  __shared__ u64 sh[NWARP];
+  __shared__ i64 s_off[WCHUNK], s_eqb[WCHUNK];
+  __shared__ u32 s_sel[WCHUNK];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int exact = (int)w.plan[P_EXACT];
+  const int level = (int)w.plan[P_LEVEL];
+  const int thr = (int)w.plan[P_THR];
+  const int V = (int)w.plan[P_XPREFIX];
+  const i64 room = w.plan[P_XREM];
+  const i64 count = w.plan[P_COUNT];
+  const u32* sel_cnt = w.tile_cnt + (i64)level * tiles;  // non-exact: per tile #(>= thr)
+  const i64 t0 = (i64)blockIdx.x * WCHUNK;
+  const i64 t1 = t0 + WCHUNK < tiles ? t0 + WCHUNK : tiles;
+  // the tiles before this chunk: selected entries (non-exact) or #> V and #== V (exact)
+  u64 a1 = 0, a2 = 0;
+  for (i64 i = tid; i < t0; i += BLOCK) {
+    if (exact) {
+      a1 += w.gt[i];
+      a2 += w.eq[i];
+    } else {
+      a1 += sel_cnt[i];
     }
-    offset += sel_total;
-    eq_seen += eq_total;
-    __syncthreads();
+  }
+  u64 g_before, e_before;
+  block_scan(a1, &g_before, sh);
+  block_scan(a2, &e_before, sh);
+  if (warp == 0) {
+    const i64 t = t0 + lane;
+    int g = 0, e = 0;
+    if (t < t1) {
+      if (exact) {
+        g = (int)w.gt[t];
+        e = (int)w.eq[t];
+      } else {
+        g = (int)sel_cnt[t];
+      }
+    }
+    int gt_tot, eq_tot;
+    const int gx = warp_excl(g, &gt_tot);
+    const int ex = warp_excl(e, &eq_tot);
+    const i64 gb = (i64)g_before + gx, eb = (i64)e_before + ex;
+    i64 off = gb, sel = g;
+    if (exact) {
+      off = gb + (eb < room ? eb : room);
+      i64 take = room - eb;
+      take = take < 0 ? 0 : (take > e ? e : take);
+      sel = g + take;
+    }
+    s_off[lane] = off;
+    s_eqb[lane] = eb;
+    s_sel[lane] = (u32)sel;
+  }
+  __syncthreads();
+  for (int i = warp; i < t1 - t0; i += NWARP) {
+    const i64 t = t0 + i;
+    i64 off = s_off[i];
+    if (off >= k || s_sel[i] == 0) continue;
+    i64 eqseen = s_eqb[i];
+    const u32 info = w.info[t];
+    if (covered(info, level)) {
+      const int nc = (int)(info & 0xffffu);
+      for (int g0 = 0; g0 < nc && off < k; g0 += WARP) {
+        const int j = g0 + lane;
+        int b[1] = {-1};
+        float v[1] = {0.f};
+        i64 idx[1] = {0};
+        if (j < nc) {
+          v[0] = w.cval[t * cap + j];
+          b[0] = abs_bits(v[0]);
+          idx[0] = t * TILE + w.cidx[t * cap + j];
+        }
+        emit<1>(b, v, idx, exact, thr, V, room, k, off, eqseen, values, indices);
+      }
+    } else {
+      for (int it = 0; it < TILE / (4 * WARP) && off < k; ++it) {
+        const i64 e0 = t * TILE + (i64)it * 4 * WARP + lane * 4;
+        float v[4];
+        int b[4];
+        load4(x, e0, n, vec, v, b);
+        const i64 idx[4] = {e0, e0 + 1, e0 + 2, e0 + 3};
+        emit<4>(b, v, idx, exact, thr, V, room, k, off, eqseen, values, indices);
+      }
+    }
+  }
+  // padding: (-1, 0) after the selected entries
+  const i64 total = exact ? k : (count < k ? count : k);
+  for (i64 p = total + (i64)blockIdx.x * BLOCK + tid; p < k; p += (i64)gridDim.x * BLOCK) {
+    values[p] = 0.f;
+    indices[p] = -1;
   }
 }

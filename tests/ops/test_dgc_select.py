@@ -120,3 +120,33 @@ def test_cuda_kernel_matches_the_algorithm(kind, resample, n) -> None:
         _check(x, k, m, stride // 2, stride, 1.3, 0.8, 10, resample, device="cuda")
     sidx = torch.randint(0, n, (max(1, n // 100),))
     _check(x, max(1, n // 1000), sidx.numel(), 0, 1, 1.3, 0.8, 10, resample, "cuda", sidx)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    ("resample", "iters"),
+    [(True, 20), (False, 10), (False, 20), (True, 0)],  # thresholds: 21, 66, 231 (search), 1
+)
+def test_cuda_kernel_threshold_tables(resample, iters) -> None:
+    for kind in ("heavy", "ties", "normal"):
+        x = _data(300_001, kind, iters)
+        _check(x, 301, 3001, 50, 99, 1.3, 0.8, iters, resample, device="cuda")
+
+
+@pytest.mark.cuda
+def test_cuda_kernel_unaligned_zeros_and_reuse() -> None:
+    # a view at offset 1 of a device buffer: no 16-byte loads; half zeros: thr0 can be 0
+    base = _data(200_001, "heavy", 7)
+    base[::2] = 0
+    x, xd = base[1:], base.cuda()[1:]
+    assert xd.data_ptr() % 16 != 0
+    for ratio in (0.001, 0.01, 0.4):  # the same workspace again and again, then other k
+        k = max(1, int(np.ceil(x.numel() * ratio)))
+        ev, ei = select_f64(x.numpy(), k, 2000, 3, 100, 1.3, 0.8, 10, True)
+        for _ in range(2):
+            v, i = dgc_select(xd, k, 2000, 3, 100, None, 1.3, 0.8, 10, True)
+            np.testing.assert_array_equal(i.cpu().numpy(), ei)
+            np.testing.assert_array_equal(v.double().cpu().numpy(), ev)
+    z = torch.zeros(50_000)
+    _check(z, 50, 500, 0, 100, 1.3, 0.8, 10, True, device="cuda")
+    _check(z, 50, 500, 0, 100, 1.3, 0.8, 10, False, device="cuda")
