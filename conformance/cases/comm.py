@@ -152,7 +152,7 @@ _CHILD = (
 )
 
 
-def _candidate(inputs: dict[str, Any], limit: float = 120.0) -> dict[str, torch.Tensor]:
+def _candidate(inputs: dict[str, Any], limit: float = 300.0) -> dict[str, torch.Tensor]:
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "grads.pt")

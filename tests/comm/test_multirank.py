@@ -167,7 +167,9 @@ def test_killed_rank_makes_the_others_raise_within_timeout(tmp_path):
     results = _launch.spawn(
         "kill",
         tmp_path,
-        limit=timeout + 40,
+        # a hang guard only: start-up on a loaded 2-core machine alone can take ~50 s; the
+        # timing under test is measured inside the ranks (kill_seconds)
+        limit=240,
         extra_env={"GLOO_TIMEOUT_SECONDS": str(timeout)},
         may_fail=(3,),
     )
