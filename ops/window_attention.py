@@ -24,6 +24,7 @@ Read top-down: checks, references, CUDA launchers, op declarations, public funct
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import threading
@@ -317,7 +318,15 @@ def _kernel(kind: str, dtype: torch.dtype, d: int, smem: int) -> Any:
     fn = _cuda.get_function(_SOURCE, f"window_attention_{kind}_{_CODE[dtype]}_d{d}")
     if smem > _STATIC_SMEM and fn.max_dynamic_shared_size_bytes < smem:
         fn.max_dynamic_shared_size_bytes = smem
+    if kind.startswith("mma") and id(fn) not in _CARVED:
+        # all of L1 as shared memory: the grid is sized for the blocks that fit by shared
+        # memory (`_mma_blocks`), and these kernels read global memory once, through registers
+        fn.preferred_shared_memory_carveout = 100
+        _CARVED.add(id(fn))
     return fn
+
+
+_CARVED: set[int] = set()
 
 
 def _sm_limits(device: int) -> tuple[int, int]:
@@ -333,6 +342,11 @@ def _sm_limits(device: int) -> tuple[int, int]:
 _SM_LIMITS: dict[int, tuple[int, int]] = {}
 
 
+@functools.cache
+def _num_regs(fn: Any, device: int) -> int:
+    return int(fn.num_regs)
+
+
 def _mma_blocks(fn: Any, windows: int, heads: int, nw: int, smem: int) -> int:
     """Blocks per head G for the mma kernels: a multiple of nW (every window of a block then
     shares one mask, folded into the block's bias table once), as many as fit on the GPU at
@@ -340,7 +354,7 @@ def _mma_blocks(fn: Any, windows: int, heads: int, nw: int, smem: int) -> int:
     double the time of its SMs)."""
     device = torch.cuda.current_device()
     smem_sm, regs_sm = _sm_limits(device)
-    regs = max(1, -(-int(fn.num_regs) // 8) * 8) * _THREADS
+    regs = max(1, -(-_num_regs(fn, device) // 8) * 8) * _THREADS
     per_sm = max(1, min(2048 // _THREADS, regs_sm // regs, smem_sm // (smem + 1024)))
     resident = per_sm * _cuda.num_sms(device)
     blocks = nw * max(1, resident // (heads * nw))
