@@ -5,7 +5,7 @@
 
 Forward and backward of both kernel pairs (``mma`` and ``scalar``) for fp16/bf16, D = 32/64,
 N = 49 (padded tiles), 64 and 13, with and without the mask, a strided q/k/v view, and one
-case with enough windows that every mma block loops over several of them (its shared tiles
+mma case with enough heads that every block loops over several windows (its shared tiles
 are reused, its bias gradient summed across windows); both gathers at 16-byte and 2-byte word
 widths. Exits non-zero when a result is off the reference.
 """
@@ -22,17 +22,18 @@ from aiak.ops import window_attention as wa
 def main() -> int:
     torch.manual_seed(0)
     bad = 0
-    cases = [
-        (dtype, windows, n, d, nw)
+    cases = [  # (kernels, dtype, windows, heads, n, d, nW)
+        (wa.KERNEL_CHOICES, dtype, 8, 2, n, d, nw)
         for dtype in (torch.float16, torch.bfloat16)
-        for windows, n, d, nw in ((8, 49, 32, 4), (8, 64, 64, None), (8, 13, 32, 2))
+        for n, d, nw in ((49, 32, 4), (64, 64, None), (13, 32, 2))
     ]
-    cases.append((torch.float16, 1024, 49, 32, 4))
-    for kernel in wa.KERNEL_CHOICES:
-        for dtype, windows, n, d, nw in cases:
-            x = torch.randn(windows, n, 3, 2, d, device="cuda", dtype=dtype)
+    # many heads, few windows: every mma block loops over several windows (G is ~4 to 12)
+    cases.append((("mma",), torch.float16, 48, 48, 49, 32, 4))
+    for kernels, dtype, windows, heads, n, d, nw in cases:
+        for kernel in kernels:
+            x = torch.randn(windows, n, 3, heads, d, device="cuda", dtype=dtype)
             q, k, v = x.permute(2, 0, 3, 1, 4).unbind(0)
-            bias = torch.randn(2, n, n, device="cuda")
+            bias = torch.randn(heads, n, n, device="cuda")
             mask = torch.randn(nw, n, n, device="cuda") if nw else None
             out = wa._attention_cuda_with(kernel, q, k, v, bias, mask, 0.2)
             ref = wa._attention_reference(q, k, v, bias, mask, 0.2)
