@@ -423,19 +423,17 @@ def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-# every Swin-T stage (heads 3/6/12/24, nW 64/16/4/1) with and without the mask, odd batch
-# counts, D = 64, N = 64 and odd N; the first case is the benchmark's stage-1 batch-64 shape
-# (4096 windows: every mma block loops over many windows and sums their bias gradients)
+# every Swin-T stage (heads, windows per image, an odd batch) with and without the mask in fp16
+# and bf16; then the benchmark's stage-1 batch-64 shape (4096 windows: every mma block loops
+# over many windows and sums their bias gradients), D = 64, N = 64 and odd N
+SWIN_T_STAGES = ((3, 64, 3), (6, 16, 5), (12, 4, 7), (24, 1, 9))
 KERNEL_CASES = [
+    (batch * nw, heads, 49, 32, nw if masked else None, dtype)
+    for heads, nw, batch in SWIN_T_STAGES
+    for masked in (True, False)
+    for dtype in (torch.float16, torch.bfloat16)
+] + [
     (64 * 64, 3, 49, 32, 64, torch.float16),
-    (3 * 64, 3, 49, 32, 64, torch.bfloat16),
-    (1 * 64, 3, 49, 32, None, torch.float16),
-    (5 * 16, 6, 49, 32, 16, torch.bfloat16),
-    (3 * 16, 6, 49, 32, None, torch.float16),
-    (7 * 4, 12, 49, 32, 4, torch.float16),
-    (3 * 4, 12, 49, 32, None, torch.bfloat16),
-    (3, 24, 49, 32, None, torch.bfloat16),
-    (5, 24, 49, 32, 1, torch.float16),
     (40, 4, 64, 64, 4, torch.float16),
     (9, 2, 64, 64, None, torch.bfloat16),
     (7, 3, 49, 64, 7, torch.bfloat16),
