@@ -372,6 +372,7 @@ WIN_GATHER(window_gather_1, unsigned char)
 #define WM_LDP 72    // 16-bit row stride of the [64][64] P and dS tiles
 
 struct alignas(16) WmVec { u32 w[4]; };
+struct alignas(8) WmF2 { float x, y; };
 
 // exp(x) as one ex2.approx (relative error ~2^-22; exp(-inf) = +0, which masks padded keys).
 __device__ __forceinline__ float wm_exp(float x) {
@@ -521,10 +522,11 @@ __device__ __forceinline__ void wm_scores_softmax(float (&s)[8][4], float (&inv)
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int row = m0 + g + (e >> 1) * 8, col = nt * 8 + 2 * t + (e & 1);
-      s[nt][e] = fmaf(s[nt][e], scale, bm[row * WM_LDB + col]);
-      mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
+    for (int r = 0; r < 2; ++r) {
+      const WmF2 b = *reinterpret_cast<const WmF2*>(bm + (m0 + g + r * 8) * WM_LDB + nt * 8 + 2 * t);
+      s[nt][2 * r] = fmaf(s[nt][2 * r], scale, b.x);
+      s[nt][2 * r + 1] = fmaf(s[nt][2 * r + 1], scale, b.y);
+      mx[r] = fmaxf(mx[r], fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
     }
   }
   float sum[2] = {0.f, 0.f};
