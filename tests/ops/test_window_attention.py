@@ -224,6 +224,25 @@ def test_mma_shared_memory_fits_and_alignment_copies():
     assert fixed.data_ptr() % 16 == 0
 
 
+@pytest.mark.parametrize("regs", [80, 168, 234])
+def test_mma_grid_keeps_one_mask_per_block(monkeypatch, regs):
+    # the mma kernels fold mask[g % nW] into each block's table once: G must be a multiple of nW
+    # (and at most B*nW); one wave when nW x nH blocks fit at all
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(wa, "_sm_limits", lambda device: (228 * 1024, 65536))
+    monkeypatch.setattr(wa, "_num_regs", lambda fn, device: regs)
+    monkeypatch.setattr(wa._cuda, "num_sms", lambda device: 132)
+    for d, backward in itertools.product((32, 64), (False, True)):
+        smem = wa._mma_smem_bytes(d, backward)
+        per_sm = min(16, 65536 // (-(-regs // 8) * 8 * 128), 228 * 1024 // (smem + 1024))
+        for batch, heads, nw in itertools.product((1, 3, 64, 4096), (3, 6, 12, 24), (1, 4, 16, 64)):
+            windows = batch * nw
+            g = wa._mma_blocks(None, windows, heads, nw, smem)
+            assert g % nw == 0 and 0 < g <= windows
+            if nw * heads <= per_sm * 132:
+                assert g * heads <= per_sm * 132
+
+
 def test_cuda_entry_on_cpu_falls_back_with_one_warning():
     q, k, v, bias, mask = inputs(4, 2, 5, 8, 2, dtype=torch.float16)
     with warnings.catch_warnings(record=True) as rec:
