@@ -4,23 +4,34 @@
 
 Swin-T's four stages (heads 3/6/12/24, windows per image 64/16/4/1, N = 49, D = 32), shifted
 window mask on. Forward and forward + backward, GPU time from CUDA-graph replay (pipelined
-time where a path cannot be captured). "floor us": the bytes of q, k, v and out at the copy
-bandwidth measured in this run; "% floor" = floor / ours. The end-to-end rows (timm importable):
-a swin_tiny_patch4_window7_224 training step (batch 64, fp16 autocast, SGD) with
-``aiak.ops.swin.convert`` vs without. Rows go to benchmarks/results/window_attention.csv.
+time where a path cannot be captured), for both kernel pairs of the op: ``ours_mma``
+(tensor-core mma.sync, the default on sm_80+) and ``ours_scalar`` (fp32 FMAs, the fallback),
+chosen through ``AIAK_WINDOW_ATTENTION_KERNEL``. "floor us": the bytes of q, k, v and out at
+the copy bandwidth measured in this run; "fwd_pct_floor" = floor / ours_mma.
+
+End-to-end rows (timm importable): a swin_tiny_patch4_window7_224 training step, batch 64,
+against the plain O1 step (fp16 autocast, GradScaler, torch SGD) in the same run: with
+``aiak.ops.swin.convert`` (mma and scalar kernels), with aiak.amp O2 (``aiak.amp.decorate``) +
+``aiak.optim.FusedSGD`` alone, and with convert + O2 + FusedSGD stacked. Rows go to
+benchmarks/results/window_attention.csv.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 
 import torch
 import torch.nn.functional as F
 from _harness import append_csv, copy_bandwidth, print_table, time_graph, time_pipelined
 
+import aiak.amp as amp
 from aiak.ops import swin
+from aiak.ops import window_attention as wa
 from aiak.ops.window_attention import window_attention
+from aiak.optim import FusedSGD
 
 STAGES = (("stage1", 3, 64), ("stage2", 6, 16), ("stage3", 12, 4), ("stage4", 24, 1))
 N, D = 49, 32
@@ -44,6 +55,21 @@ def _sdpa(q, k, v, bias, mask, scale):
 
 def _ours(q, k, v, bias, mask, scale):
     return window_attention(q, k, v, bias, mask, scale)
+
+
+@contextlib.contextmanager
+def _kernel(kernel: str | None):
+    """Run the op's ``kernel`` pair inside (None: leave the choice as it is)."""
+    old = os.environ.get(wa.KERNEL_ENV)
+    if kernel is not None:
+        os.environ[wa.KERNEL_ENV] = kernel
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(wa.KERNEL_ENV, None)
+        else:
+            os.environ[wa.KERNEL_ENV] = old
 
 
 def _time(fn) -> float:
@@ -78,15 +104,32 @@ def _kernel_rows(batches, dtype, bw):
             scale = D**-0.5
             floor_us = 4 * q.numel() * q.element_size() / bw * 1e6
             row = {"batch": batch, "stage": label, "dtype": str(dtype)[6:], "floor_us": floor_us}
-            for name, fn in (("ours", _ours), ("unfused", _unfused), ("sdpa", _sdpa)):
-                fwd, fwdbwd = _measure(fn, (q, k, v, bias, mask, scale), dout)
+            variants = (
+                ("ours_mma", _ours, "mma"),
+                ("ours_scalar", _ours, "scalar"),
+                ("unfused", _unfused, None),
+                ("sdpa", _sdpa, None),
+            )
+            for name, fn, kernel in variants:
+                with _kernel(kernel):
+                    fwd, fwdbwd = _measure(fn, (q, k, v, bias, mask, scale), dout)
                 row[f"{name}_fwd_us"], row[f"{name}_fwdbwd_us"] = fwd, fwdbwd
-            row["fwd_x_sdpa"] = row["sdpa_fwd_us"] / row["ours_fwd_us"]
-            row["fwdbwd_x_sdpa"] = row["sdpa_fwdbwd_us"] / row["ours_fwdbwd_us"]
-            row["fwd_x_unfused"] = row["unfused_fwd_us"] / row["ours_fwd_us"]
-            row["fwd_pct_floor"] = 100 * floor_us / row["ours_fwd_us"]
+            row["fwd_x_sdpa"] = row["sdpa_fwd_us"] / row["ours_mma_fwd_us"]
+            row["fwdbwd_x_sdpa"] = row["sdpa_fwdbwd_us"] / row["ours_mma_fwdbwd_us"]
+            row["fwdbwd_x_unfused"] = row["unfused_fwdbwd_us"] / row["ours_mma_fwdbwd_us"]
+            row["mma_x_scalar"] = row["ours_scalar_fwdbwd_us"] / row["ours_mma_fwdbwd_us"]
+            row["fwd_pct_floor"] = 100 * floor_us / row["ours_mma_fwd_us"]
             rows.append(row)
     return rows
+
+
+E2E_VARIANTS = (  # (label, convert, kernel, O2 + FusedSGD)
+    ("timm O1", False, None, False),
+    ("timm O1 + convert", True, "mma", False),
+    ("timm O1 + convert (scalar kernels)", True, "scalar", False),
+    ("timm O2 + FusedSGD", False, None, True),
+    ("timm O2 + FusedSGD + convert", True, "mma", True),
+)
 
 
 def _e2e_rows():
@@ -98,26 +141,34 @@ def _e2e_rows():
     rows = []
     x = torch.randn(64, 3, 224, 224, device="cuda")
     y = torch.randint(0, 1000, (64,), device="cuda")
-    for variant in ("timm", "timm + convert"):
+    for variant, convert, kernel, o2 in E2E_VARIANTS:
         torch.manual_seed(0)
         model = timm.create_model("swin_tiny_patch4_window7_224", pretrained=False).cuda()
-        if variant != "timm":
+        if convert:
             swin.convert(model)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-        scaler = torch.amp.GradScaler("cuda")
+        if o2:
+            opt = FusedSGD(model.parameters(), lr=1e-3, momentum=0.9)
+            model, opt = amp.decorate(model, opt, dtype=torch.float16)
+            scaler = amp.GradScaler("cuda")
+        else:
+            opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+            scaler = torch.amp.GradScaler("cuda")
 
         def step(model=model, opt=opt, scaler=scaler):
+            opt.zero_grad(set_to_none=True)
             with torch.autocast("cuda", dtype=torch.float16):
                 loss = F.cross_entropy(model(x), y)
-            opt.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
             scaler.step(opt)
             scaler.update()
 
-        t = time_pipelined(step, calls=10, reps=5)
-        rows.append({"stage": "e2e swin_tiny b64 O1 step", "variant": variant, "ms": t[1]})
-        del model, opt
-    rows[1]["x_vs_timm"] = rows[0]["ms"] / rows[1]["ms"]
+        with _kernel(kernel):
+            t = time_pipelined(step, calls=10, reps=5)
+        rows.append({"stage": "e2e swin_tiny b64 step", "variant": variant, "ms": t[1]})
+        del model, opt, scaler
+        torch.cuda.empty_cache()
+    for row in rows:
+        row["x_vs_timm_O1"] = rows[0]["ms"] / row["ms"]
     return rows
 
 
@@ -135,15 +186,16 @@ def main() -> int:
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
     rows = _kernel_rows(batches, getattr(torch, args.dtype), bw)
     append_csv("window_attention", [{"copy_TBps": bw / 1e12, **r} for r in rows])
-    cols = ["batch", "stage", "floor_us", "ours_fwd_us", "unfused_fwd_us", "sdpa_fwd_us"]
-    cols += ["ours_fwdbwd_us", "unfused_fwdbwd_us", "sdpa_fwdbwd_us", "fwd_pct_floor"]
-    cols += ["fwd_x_sdpa", "fwdbwd_x_sdpa"]
+    cols = ["batch", "stage", "floor_us", "ours_mma_fwd_us", "ours_scalar_fwd_us"]
+    cols += ["unfused_fwd_us", "sdpa_fwd_us", "ours_mma_fwdbwd_us", "ours_scalar_fwdbwd_us"]
+    cols += ["unfused_fwdbwd_us", "sdpa_fwdbwd_us", "fwd_pct_floor", "fwd_x_sdpa"]
+    cols += ["fwdbwd_x_sdpa", "fwdbwd_x_unfused", "mma_x_scalar"]
     print_table(rows, cols)
     if not args.no_e2e:
         e2e = _e2e_rows()
         if e2e:
             append_csv("window_attention", e2e)
-            print_table(e2e, ["stage", "variant", "ms", "x_vs_timm"])
+            print_table(e2e, ["stage", "variant", "ms", "x_vs_timm_O1"])
     return 0
 
 

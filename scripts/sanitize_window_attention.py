@@ -3,9 +3,11 @@
     compute-sanitizer --tool memcheck python3 scripts/sanitize_window_attention.py
     compute-sanitizer --tool racecheck python3 scripts/sanitize_window_attention.py
 
-Forward and backward for fp16/bf16, D = 32/64, N = 49 (padded tiles) and 64, with and without
-the mask, a strided q/k/v view; both gathers at 16-byte and 2-byte word widths. Exits non-zero
-when a result is off the reference.
+Forward and backward of both kernel pairs (``mma`` and ``scalar``) for fp16/bf16, D = 32/64,
+N = 49 (padded tiles), 64 and 13, with and without the mask, a strided q/k/v view, and one
+mma case with enough heads that every block loops over several windows (its shared tiles
+are reused, its bias gradient summed across windows); both gathers at 16-byte and 2-byte word
+widths. Exits non-zero when a result is off the reference.
 """
 
 from __future__ import annotations
@@ -20,22 +22,29 @@ from aiak.ops import window_attention as wa
 def main() -> int:
     torch.manual_seed(0)
     bad = 0
-    for dtype in (torch.float16, torch.bfloat16):
-        for n, d, nw in ((49, 32, 4), (64, 64, None), (13, 32, 2)):
-            x = torch.randn(8, n, 3, 2, d, device="cuda", dtype=dtype)
+    cases = [  # (kernels, dtype, windows, heads, n, d, nW)
+        (wa.KERNEL_CHOICES, dtype, 8, 2, n, d, nw)
+        for dtype in (torch.float16, torch.bfloat16)
+        for n, d, nw in ((49, 32, 4), (64, 64, None), (13, 32, 2))
+    ]
+    # many heads, few windows: every mma block loops over several windows (G is ~4 to 12)
+    cases.append((("mma",), torch.float16, 48, 48, 49, 32, 4))
+    for kernels, dtype, windows, heads, n, d, nw in cases:
+        for kernel in kernels:
+            x = torch.randn(windows, n, 3, heads, d, device="cuda", dtype=dtype)
             q, k, v = x.permute(2, 0, 3, 1, 4).unbind(0)
-            bias = torch.randn(2, n, n, device="cuda")
+            bias = torch.randn(heads, n, n, device="cuda")
             mask = torch.randn(nw, n, n, device="cuda") if nw else None
-            out = wa._attention_cuda(q, k, v, bias, mask, 0.2)
+            out = wa._attention_cuda_with(kernel, q, k, v, bias, mask, 0.2)
             ref = wa._attention_reference(q, k, v, bias, mask, 0.2)
             dout = torch.randn_like(out)
-            got = wa._attention_backward_cuda(dout, q, k, v, bias, mask, 0.2)
+            got = wa._attention_backward_cuda_with(kernel, dout, q, k, v, bias, mask, 0.2)
             want = wa._attention_backward_reference(dout, q, k, v, bias, mask, 0.2)
             pairs = [(out, ref), *zip(got, want)]
             for a, b in pairs:
                 err = ((a.float() - b.float()).norm() / b.float().norm()).item()
                 if not err < 5e-2:
-                    print(f"{dtype} n={n} d={d}: rel err {err:.3g}")
+                    print(f"{kernel} {dtype} windows={windows} n={n} d={d}: rel err {err:.3g}")
                     bad += 1
     for c in (8, 3):
         x = torch.randn(2, 14, 14, c, device="cuda", dtype=torch.float16)

@@ -336,3 +336,470 @@ WIN_GATHER(window_gather_8, U8B)
 WIN_GATHER(window_gather_4, u32)
 WIN_GATHER(window_gather_2, u16)
 WIN_GATHER(window_gather_1, unsigned char)
+
+// ---------------------------------------------------------------------------------------------
+// Tensor-core kernels (sm_80+): mma.sync.m16n8k16 with fp32 accumulators, written as inline PTX.
+//
+// A block of 4 warps handles the windows b = g, g + G, g + 2G, ... of head h (grid (G, nH));
+// the host makes G a multiple of nW, so every window of a block uses the same mask, and the
+// block folds bias[h] + mask[g % nW] into one fp32 [64][WM_LDB] table in shared memory once.
+// Rows and keys are padded to 64: the table holds -inf in key columns >= N (so padded keys get
+// probability 0) and 0 in query rows >= N (padded queries stay finite; nothing of them is kept).
+// q, k, v (and dout) tiles are fp16/bf16 [64][D + 8] in shared memory, zero beyond row N; the
+// next window's tiles are loaded into registers while the current one computes.
+//
+// Warp w owns query rows 16w .. 16w + 15 and all 64 keys: S = Q K^T is an [16 x 64] fp32
+// accumulator in registers (8 n-tiles x 4 floats), the row softmax runs on it with quad
+// shuffles (the four lanes of a group hold one row), and the C fragments of P become the A
+// fragments of P V directly (two C tiles side by side are one A tile).
+//
+// m16n8k16 fragments, g = lane / 4, t = lane % 4 (PTX ISA "Matrix Fragments for mma.m16n8k16"):
+//   A (16x16, row): reg0 = A[g][2t, 2t+1], reg1 = A[g+8][2t, 2t+1], reg2 = A[g][2t+8, 2t+9],
+//                   reg3 = A[g+8][2t+8, 2t+9]   (lower column in the low half)
+//   B (16x8, col):  reg0 = B[2t, 2t+1][g], reg1 = B[2t+8, 2t+9][g]
+//   C (16x8, f32):  c0, c1 = C[g][2t, 2t+1], c2, c3 = C[g+8][2t, 2t+1]
+//
+// Backward, per window: warp w recomputes S and P for its rows (full rows, so the softmax needs
+// no saved statistics), dP = dO V^T, D_i = rowsum(P * dP), dS = P * (dP - D); dQ = scale dS K
+// with dS reused from registers as the A operand; P and dS go to shared memory as fp16/bf16;
+// then warp w owns key rows 16w.. for dV = P^T dO and dK = scale dS^T Q. The bias gradient of
+// the block's windows accumulates in registers (each thread always holds the same 32 (i, j)
+// entries) and is added to the fp32 output with one atomicAdd per element per block.
+// ---------------------------------------------------------------------------------------------
+
+#define WM_ROWS 64   // padded rows and keys
+#define WM_LDB 72    // fp32 row stride of the bias + mask table (float2 reads conflict-free)
+#define WM_LDP 72    // 16-bit row stride of the [64][64] P and dS tiles
+
+struct alignas(16) WmVec { u32 w[4]; };
+struct alignas(8) WmF2 { float x, y; };
+
+// exp(x) as one ex2.approx (relative error ~2^-22; exp(-inf) = +0, which masks padded keys).
+__device__ __forceinline__ float wm_exp(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x * 1.4426950408889634f));
+  return r;
+}
+
+template <typename T> __device__ __forceinline__ u32 wm_pack(float lo, float hi);
+template <> __device__ __forceinline__ u32 wm_pack<half_t>(float lo, float hi) {
+  u32 r;  // cvt.rn.f16x2.f32 d, a, b puts a in the upper half
+  asm("cvt.rn.f16x2.f32 %0, %2, %1;" : "=r"(r) : "f"(lo), "f"(hi));
+  return r;
+}
+template <> __device__ __forceinline__ u32 wm_pack<bf16_t>(float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.bf16x2.f32 %0, %2, %1;" : "=r"(r) : "f"(lo), "f"(hi));
+  return r;
+}
+
+template <typename T>
+__device__ __forceinline__ void wm_mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1);
+template <>
+__device__ __forceinline__ void wm_mma<half_t>(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <>
+__device__ __forceinline__ void wm_mma<bf16_t>(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32 wm_word(const u16* p) { return *reinterpret_cast<const u32*>(p); }
+__device__ __forceinline__ u32 wm_pair(const u16* lo, const u16* hi) {
+  return (u32)*lo | ((u32)*hi << 16);
+}
+
+// A(m, k) = s[m * ld + k] (row-major in shared memory): 32-bit reads.
+__device__ __forceinline__ void wm_a_rows(u32 (&a)[4], const u16* s, int ld, int m0, int k0,
+                                          int g, int t) {
+  const u16* p = s + (m0 + g) * ld + k0 + 2 * t;
+  a[0] = wm_word(p);
+  a[1] = wm_word(p + 8 * ld);
+  a[2] = wm_word(p + 8);
+  a[3] = wm_word(p + 8 * ld + 8);
+}
+
+// A(m, k) = s[k * ld + m] (the transpose of a row-major tile): pairs of 16-bit reads.
+__device__ __forceinline__ void wm_a_cols(u32 (&a)[4], const u16* s, int ld, int m0, int k0,
+                                          int g, int t) {
+  const u16* p = s + (k0 + 2 * t) * ld + m0 + g;
+  a[0] = wm_pair(p, p + ld);
+  a[1] = wm_pair(p + 8, p + ld + 8);
+  a[2] = wm_pair(p + 8 * ld, p + 9 * ld);
+  a[3] = wm_pair(p + 8 * ld + 8, p + 9 * ld + 8);
+}
+
+// B(k, n) = s[n * ld + k]: 32-bit reads.
+__device__ __forceinline__ void wm_b_rows(u32& b0, u32& b1, const u16* s, int ld, int n0, int k0,
+                                          int g, int t) {
+  const u16* p = s + (n0 + g) * ld + k0 + 2 * t;
+  b0 = wm_word(p);
+  b1 = wm_word(p + 8);
+}
+
+// B(k, n) = s[k * ld + n]: pairs of 16-bit reads.
+__device__ __forceinline__ void wm_b_cols(u32& b0, u32& b1, const u16* s, int ld, int n0, int k0,
+                                          int g, int t) {
+  const u16* p = s + (k0 + 2 * t) * ld + n0 + g;
+  b0 = wm_pair(p, p + ld);
+  b1 = wm_pair(p + 8 * ld, p + 9 * ld);
+}
+
+// One [64][D] tile of a (window, head) in registers: 16-byte words, rows >= N zero.
+template <int D>
+struct WmTile {
+  static constexpr int VPR = D / 8;                       // 16-byte words per row
+  static constexpr int PER_THREAD = WM_ROWS * VPR / WA_THREADS;
+  WmVec v[PER_THREAD];
+
+  template <typename T>
+  __device__ __forceinline__ void load(const T* __restrict__ src, i64 sn, int N) {
+#pragma unroll
+    for (int r = 0; r < PER_THREAD; ++r) {
+      const int idx = threadIdx.x + r * WA_THREADS;
+      const int row = idx / VPR, c = idx % VPR;
+      if (row < N) {
+        v[r] = *reinterpret_cast<const WmVec*>(src + (i64)row * sn + c * 8);
+      } else {
+        v[r].w[0] = v[r].w[1] = v[r].w[2] = v[r].w[3] = 0u;
+      }
+    }
+  }
+
+  __device__ __forceinline__ void store(u16* dst) const {  // row stride D + 8
+#pragma unroll
+    for (int r = 0; r < PER_THREAD; ++r) {
+      const int idx = threadIdx.x + r * WA_THREADS;
+      const int row = idx / VPR, c = idx % VPR;
+      *reinterpret_cast<WmVec*>(dst + row * (D + 8) + c * 8) = v[r];
+    }
+  }
+};
+
+// bias[h] + mask[w] (fp32) into the [64][WM_LDB] table; -inf in key columns >= N, 0 in rows >= N.
+__device__ __forceinline__ void wm_bias_table(float* bm, const float* __restrict__ bias_h,
+                                              const float* __restrict__ mask_w, int N) {
+  for (int idx = threadIdx.x; idx < WM_ROWS * WM_ROWS; idx += WA_THREADS) {
+    const int i = idx / WM_ROWS, j = idx % WM_ROWS;
+    float v = 0.f;
+    if (j >= N) {
+      v = neg_inf();
+    } else if (i < N) {
+      v = bias_h[i * N + j];
+      if (mask_w != nullptr) v += mask_w[i * N + j];
+    }
+    bm[i * WM_LDB + j] = v;
+  }
+}
+
+// s = scale * Q K^T + table for this warp's 16 rows, then the row softmax in place: on return
+// s holds exp(s - rowmax) and inv[0], inv[1] the reciprocal row sums of rows g and g + 8.
+template <typename T, int D>
+__device__ __forceinline__ void wm_scores_softmax(float (&s)[8][4], float (&inv)[2], const u16* Qs,
+                                                  const u16* Ks, const float* bm, float scale,
+                                                  int m0, int g, int t) {
+  constexpr int LD = D + 8;
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    u32 a[4];
+    wm_a_rows(a, Qs, LD, m0, kk * 16, g, t);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      u32 b0, b1;
+      wm_b_rows(b0, b1, Ks, LD, nt * 8, kk * 16, g, t);
+      wm_mma<T>(s[nt], a, b0, b1);
+    }
+  }
+  float mx[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const WmF2 b = *reinterpret_cast<const WmF2*>(bm + (m0 + g + r * 8) * WM_LDB + nt * 8 + 2 * t);
+      s[nt][2 * r] = fmaf(s[nt][2 * r], scale, b.x);
+      s[nt][2 * r + 1] = fmaf(s[nt][2 * r + 1], scale, b.y);
+      mx[r] = fmaxf(mx[r], fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
+    }
+  }
+  float sum[2] = {0.f, 0.f};
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+  }
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      s[nt][e] = wm_exp(s[nt][e] - mx[e >> 1]);
+      sum[e >> 1] += s[nt][e];
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], 1);
+    sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], 2);
+    inv[r] = 1.f / sum[r];
+  }
+}
+
+// acc[D/8][4] = A (16 x 64, the warp's rows, from registers as C fragments) x B (64 x D), with
+// B(k, n) = Bs[k * ld + n].
+template <typename T, int D>
+__device__ __forceinline__ void wm_regs_times(float (&acc)[D / 8][4], const float (&c)[8][4],
+                                              const u16* Bs, int ld, int g, int t) {
+#pragma unroll
+  for (int nt = 0; nt < D / 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    u32 a[4];
+    a[0] = wm_pack<T>(c[2 * kk][0], c[2 * kk][1]);
+    a[1] = wm_pack<T>(c[2 * kk][2], c[2 * kk][3]);
+    a[2] = wm_pack<T>(c[2 * kk + 1][0], c[2 * kk + 1][1]);
+    a[3] = wm_pack<T>(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) {
+      u32 b0, b1;
+      wm_b_cols(b0, b1, Bs, ld, nt * 8, kk * 16, g, t);
+      wm_mma<T>(acc[nt], a, b0, b1);
+    }
+  }
+}
+
+// acc[D/8][4] = A^T (rows m0.. of the transpose of the [64][64] tile As) x B (64 x D),
+// B(k, n) = Bs[k * ld + n].
+template <typename T, int D>
+__device__ __forceinline__ void wm_tile_t_times(float (&acc)[D / 8][4], const u16* As,
+                                                const u16* Bs, int ld, int m0, int g, int t) {
+#pragma unroll
+  for (int nt = 0; nt < D / 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    u32 a[4];
+    wm_a_cols(a, As, WM_LDP, m0, kk * 16, g, t);
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) {
+      u32 b0, b1;
+      wm_b_cols(b0, b1, Bs, ld, nt * 8, kk * 16, g, t);
+      wm_mma<T>(acc[nt], a, b0, b1);
+    }
+  }
+}
+
+// Rows m0 + g and m0 + g + 8 (those < N) of a contiguous [N, D] output, times alpha[0 or 1].
+template <typename T, int D>
+__device__ __forceinline__ void wm_store(T* __restrict__ dst, const float (&acc)[D / 8][4],
+                                         float alpha0, float alpha1, int m0, int N, int g, int t) {
+  const int r0 = m0 + g, r1 = r0 + 8;
+#pragma unroll
+  for (int nt = 0; nt < D / 8; ++nt) {
+    const int col = nt * 8 + 2 * t;
+    if (r0 < N)
+      *reinterpret_cast<u32*>(dst + (i64)r0 * D + col) =
+          wm_pack<T>(acc[nt][0] * alpha0, acc[nt][1] * alpha0);
+    if (r1 < N)
+      *reinterpret_cast<u32*>(dst + (i64)r1 * D + col) =
+          wm_pack<T>(acc[nt][2] * alpha1, acc[nt][3] * alpha1);
+  }
+}
+
+template <typename T, int D>
+__device__ __forceinline__ void mma_forward_body(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    const float* __restrict__ bias, const float* __restrict__ mask, T* __restrict__ out, i64 qb,
+    i64 qh, i64 qn, i64 kb, i64 kh, i64 kn, i64 vb, i64 vh, i64 vn, int B_, int nH, int N, int nW,
+    float scale) {
+  extern __shared__ __attribute__((aligned(16))) u32 wm_smem[];
+  constexpr int LD = D + 8;
+  float* bm = reinterpret_cast<float*>(wm_smem);
+  u16* Qs = reinterpret_cast<u16*>(bm + WM_ROWS * WM_LDB);
+  u16* Ks = Qs + WM_ROWS * LD;
+  u16* Vs = Ks + WM_ROWS * LD;
+  const int h = blockIdx.y, g0 = blockIdx.x;
+  const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+  const int g = lane >> 2, t = lane & 3, m0 = warp * 16;
+  wm_bias_table(bm, bias + (i64)h * N * N,
+                mask != nullptr ? mask + (i64)(g0 % nW) * N * N : nullptr, N);
+  WmTile<D> tq, tk, tv;
+  if (g0 < B_) {
+    tq.load(q + (i64)g0 * qb + (i64)h * qh, qn, N);
+    tk.load(k + (i64)g0 * kb + (i64)h * kh, kn, N);
+    tv.load(v + (i64)g0 * vb + (i64)h * vh, vn, N);
+  }
+  for (int b = g0; b < B_; b += gridDim.x) {
+    __syncthreads();  // the previous window is done with the tiles (and the table is written)
+    tq.store(Qs);
+    tk.store(Ks);
+    tv.store(Vs);
+    __syncthreads();
+    const int nb = b + gridDim.x;
+    if (nb < B_) {  // in flight while this window computes
+      tq.load(q + (i64)nb * qb + (i64)h * qh, qn, N);
+      tk.load(k + (i64)nb * kb + (i64)h * kh, kn, N);
+      tv.load(v + (i64)nb * vb + (i64)h * vh, vn, N);
+    }
+    float s[8][4], inv[2];
+    wm_scores_softmax<T, D>(s, inv, Qs, Ks, bm, scale, m0, g, t);
+    float o[D / 8][4];
+    wm_regs_times<T, D>(o, s, Vs, LD, g, t);
+    wm_store<T, D>(out + ((i64)b * nH + h) * N * D, o, inv[0], inv[1], m0, N, g, t);
+  }
+}
+
+template <typename T, int D>
+__device__ __forceinline__ void mma_backward_body(
+    const T* __restrict__ dout, const T* __restrict__ q, const T* __restrict__ k,
+    const T* __restrict__ v, const float* __restrict__ bias, const float* __restrict__ mask,
+    T* __restrict__ dq, T* __restrict__ dk, T* __restrict__ dv, float* __restrict__ dbias,
+    i64 qb, i64 qh, i64 qn, i64 kb, i64 kh, i64 kn, i64 vb, i64 vh, i64 vn, int B_, int nH, int N,
+    int nW, float scale) {
+  extern __shared__ __attribute__((aligned(16))) u32 wm_smem[];
+  constexpr int LD = D + 8;
+  float* bm = reinterpret_cast<float*>(wm_smem);
+  u16* Qs = reinterpret_cast<u16*>(bm + WM_ROWS * WM_LDB);
+  u16* Ks = Qs + WM_ROWS * LD;
+  u16* Vs = Ks + WM_ROWS * LD;
+  u16* dOs = Vs + WM_ROWS * LD;
+  u16* Ps = dOs + WM_ROWS * LD;     // [64][WM_LDP]: P, row-major
+  u16* dSs = Ps + WM_ROWS * WM_LDP;  // [64][WM_LDP]: dS, row-major
+  const int h = blockIdx.y, g0 = blockIdx.x;
+  const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+  const int g = lane >> 2, t = lane & 3, m0 = warp * 16;
+  wm_bias_table(bm, bias + (i64)h * N * N,
+                mask != nullptr ? mask + (i64)(g0 % nW) * N * N : nullptr, N);
+  float db[8][4];  // this thread's entries of the bias gradient, summed over the block's windows
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) db[nt][0] = db[nt][1] = db[nt][2] = db[nt][3] = 0.f;
+  WmTile<D> tq, tk, tv, td;
+  if (g0 < B_) {
+    tq.load(q + (i64)g0 * qb + (i64)h * qh, qn, N);
+    tk.load(k + (i64)g0 * kb + (i64)h * kh, kn, N);
+    tv.load(v + (i64)g0 * vb + (i64)h * vh, vn, N);
+    td.load(dout + ((i64)g0 * nH + h) * N * D, D, N);
+  }
+  for (int b = g0; b < B_; b += gridDim.x) {
+    __syncthreads();  // the previous window is done with every tile
+    tq.store(Qs);
+    tk.store(Ks);
+    tv.store(Vs);
+    td.store(dOs);
+    __syncthreads();
+    const int nb = b + gridDim.x;
+    if (nb < B_) {
+      tq.load(q + (i64)nb * qb + (i64)h * qh, qn, N);
+      tk.load(k + (i64)nb * kb + (i64)h * kh, kn, N);
+      tv.load(v + (i64)nb * vb + (i64)h * vh, vn, N);
+      td.load(dout + ((i64)nb * nH + h) * N * D, D, N);
+    }
+    const i64 obh = ((i64)b * nH + h) * N * D;
+    float p[8][4], inv[2];
+    wm_scores_softmax<T, D>(p, inv, Qs, Ks, bm, scale, m0, g, t);
+    // dP = dO V^T for the warp's rows
+    float ds[8][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) ds[nt][0] = ds[nt][1] = ds[nt][2] = ds[nt][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      u32 a[4];
+      wm_a_rows(a, dOs, LD, m0, kk * 16, g, t);
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        u32 b0, b1;
+        wm_b_rows(b0, b1, Vs, LD, nt * 8, kk * 16, g, t);
+        wm_mma<T>(ds[nt], a, b0, b1);
+      }
+    }
+    // P normalised (0 in padded rows), D_i = rowsum(P * dP), dS = P (dP - D_i)
+    const float keep[2] = {m0 + g < N ? inv[0] : 0.f, m0 + g + 8 < N ? inv[1] : 0.f};
+    float dot[2] = {0.f, 0.f};
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        p[nt][e] *= keep[e >> 1];
+        dot[e >> 1] = fmaf(p[nt][e], ds[nt][e], dot[e >> 1]);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      dot[r] += __shfl_xor_sync(0xffffffffu, dot[r], 1);
+      dot[r] += __shfl_xor_sync(0xffffffffu, dot[r], 2);
+    }
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      const int col = nt * 8 + 2 * t;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        ds[nt][e] = p[nt][e] * (ds[nt][e] - dot[e >> 1]);
+        db[nt][e] += ds[nt][e];
+      }
+      const int r0 = m0 + g, r1 = r0 + 8;
+      *reinterpret_cast<u32*>(Ps + r0 * WM_LDP + col) = wm_pack<T>(p[nt][0], p[nt][1]);
+      *reinterpret_cast<u32*>(Ps + r1 * WM_LDP + col) = wm_pack<T>(p[nt][2], p[nt][3]);
+      *reinterpret_cast<u32*>(dSs + r0 * WM_LDP + col) = wm_pack<T>(ds[nt][0], ds[nt][1]);
+      *reinterpret_cast<u32*>(dSs + r1 * WM_LDP + col) = wm_pack<T>(ds[nt][2], ds[nt][3]);
+    }
+    {  // dQ = scale dS K, dS straight from registers
+      float acc[D / 8][4];
+      wm_regs_times<T, D>(acc, ds, Ks, LD, g, t);
+      wm_store<T, D>(dq + obh, acc, scale, scale, m0, N, g, t);
+    }
+    __syncthreads();  // P and dS of every row are in shared memory
+    {  // dV = P^T dO for key rows m0..
+      float acc[D / 8][4];
+      wm_tile_t_times<T, D>(acc, Ps, dOs, LD, m0, g, t);
+      wm_store<T, D>(dv + obh, acc, 1.f, 1.f, m0, N, g, t);
+    }
+    {  // dK = scale dS^T Q
+      float acc[D / 8][4];
+      wm_tile_t_times<T, D>(acc, dSs, Qs, LD, m0, g, t);
+      wm_store<T, D>(dk + obh, acc, scale, scale, m0, N, g, t);
+    }
+  }
+  if (g0 < B_) {
+    float* dbias_h = dbias + (i64)h * N * N;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = m0 + g + (e >> 1) * 8, col = nt * 8 + 2 * t + (e & 1);
+        if (row < N && col < N) atomicAdd(dbias_h + row * N + col, db[nt][e]);
+      }
+    }
+  }
+}
+
+#define WM_FORWARD(NAME, T, D)                                                                   \
+  extern "C" __global__ void __launch_bounds__(WA_THREADS)                                       \
+      NAME(const T* q, const T* k, const T* v, const float* bias, const float* mask, T* out,     \
+           i64 qb, i64 qh, i64 qn, i64 kb, i64 kh, i64 kn, i64 vb, i64 vh, i64 vn, int B_,        \
+           int nH, int N, int nW, float scale) {                                                  \
+    mma_forward_body<T, D>(q, k, v, bias, mask, out, qb, qh, qn, kb, kh, kn, vb, vh, vn, B_, nH, \
+                           N, nW, scale);                                                        \
+  }
+
+#define WM_BACKWARD(NAME, T, D)                                                                  \
+  extern "C" __global__ void __launch_bounds__(WA_THREADS)                                       \
+      NAME(const T* dout, const T* q, const T* k, const T* v, const float* bias,                 \
+           const float* mask, T* dq, T* dk, T* dv, float* dbias, i64 qb, i64 qh, i64 qn, i64 kb,  \
+           i64 kh, i64 kn, i64 vb, i64 vh, i64 vn, int B_, int nH, int N, int nW, float scale) {  \
+    mma_backward_body<T, D>(dout, q, k, v, bias, mask, dq, dk, dv, dbias, qb, qh, qn, kb, kh, kn, \
+                            vb, vh, vn, B_, nH, N, nW, scale);                                   \
+  }
+
+WM_FORWARD(window_attention_mma_fwd_f16_d32, half_t, 32)
+WM_FORWARD(window_attention_mma_fwd_f16_d64, half_t, 64)
+WM_FORWARD(window_attention_mma_fwd_bf16_d32, bf16_t, 32)
+WM_FORWARD(window_attention_mma_fwd_bf16_d64, bf16_t, 64)
+WM_BACKWARD(window_attention_mma_bwd_f16_d32, half_t, 32)
+WM_BACKWARD(window_attention_mma_bwd_f16_d64, half_t, 64)
+WM_BACKWARD(window_attention_mma_bwd_bf16_d32, bf16_t, 32)
+WM_BACKWARD(window_attention_mma_bwd_bf16_d64, bf16_t, 64)

@@ -196,6 +196,53 @@ def test_unsupported_shapes_are_named():
     assert wa._shape_reasons(torch.empty(1, 1, 49, 32)) == []
 
 
+def test_kernel_switch_is_read_and_checked(monkeypatch):
+    monkeypatch.setenv(wa.KERNEL_ENV, "scalar")
+    assert wa.attention_kernel(torch.device("cuda", 0)) == "scalar"
+    monkeypatch.setenv(wa.KERNEL_ENV, "tensor")
+    with pytest.raises(ValueError, match="AIAK_WINDOW_ATTENTION_KERNEL"):
+        wa.attention_kernel(torch.device("cuda", 0))
+    monkeypatch.delenv(wa.KERNEL_ENV)
+    assert wa.DEFAULT_KERNEL in wa.KERNEL_CHOICES
+    q, k, v, bias, _ = inputs(2, 1, 5, 32, dtype=torch.float16)
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        wa._attention_cuda_with("tensor", q, k, v, bias, None, 0.3)
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        wa._attention_backward_cuda_with("tensor", q, q, k, v, bias, None, 0.3)
+
+
+def test_mma_shared_memory_fits_and_alignment_copies():
+    # the kernels' layout (WM_* in the source): table + tiles (+ P and dS) within 227 KiB
+    assert wa._mma_smem_bytes(32, backward=False) == 64 * 72 * 4 + 3 * 64 * 40 * 2
+    assert wa._mma_smem_bytes(64, backward=True) == 64 * 72 * 4 + 4 * 64 * 72 * 2 + 64 * 72 * 4
+    assert max(wa._mma_smem_bytes(d, b) for d in (32, 64) for b in (False, True)) < 227 * 1024
+    x = torch.randn(4, 3, 49, 3, 32, dtype=torch.float16).permute(3, 0, 1, 2, 4)[0]
+    assert wa._mma_ready(x) is x  # timm's qkv view: aligned, 8-element strides, no copy
+    odd = torch.randn(4 * 3 * 49 * 33 + 1, dtype=torch.float16)[1:].view(4, 3, 49, 33)[..., :32]
+    fixed = wa._mma_ready(odd)
+    assert fixed is not odd and fixed.is_contiguous() and torch.equal(fixed, odd)
+    assert fixed.data_ptr() % 16 == 0
+
+
+@pytest.mark.parametrize("regs", [80, 168, 234])
+def test_mma_grid_keeps_one_mask_per_block(monkeypatch, regs):
+    # the mma kernels fold mask[g % nW] into each block's table once: G must be a multiple of nW
+    # (and at most B*nW); one wave when nW x nH blocks fit at all
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(wa, "_sm_limits", lambda device: (228 * 1024, 65536))
+    monkeypatch.setattr(wa, "_num_regs", lambda fn, device: regs)
+    monkeypatch.setattr(wa._cuda, "num_sms", lambda device: 132)
+    for d, backward in itertools.product((32, 64), (False, True)):
+        smem = wa._mma_smem_bytes(d, backward)
+        per_sm = min(16, 65536 // (-(-regs // 8) * 8 * 128), 228 * 1024 // (smem + 1024))
+        for batch, heads, nw in itertools.product((1, 3, 64, 4096), (3, 6, 12, 24), (1, 4, 16, 64)):
+            windows = batch * nw
+            g = wa._mma_blocks(None, windows, heads, nw, smem)
+            assert g % nw == 0 and 0 < g <= windows
+            if nw * heads <= per_sm * 132:
+                assert g * heads <= per_sm * 132
+
+
 def test_cuda_entry_on_cpu_falls_back_with_one_warning():
     q, k, v, bias, mask = inputs(4, 2, 5, 8, 2, dtype=torch.float16)
     with warnings.catch_warnings(record=True) as rec:
@@ -395,48 +442,96 @@ def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
+# every Swin-T stage (heads, windows per image, an odd batch) with and without the mask in fp16
+# and bf16; then the benchmark's stage-1 batch-64 shape (4096 windows: every mma block loops
+# over many windows and sums their bias gradients), D = 64, N = 64 and odd N
+SWIN_T_STAGES = ((3, 64, 3), (6, 16, 5), (12, 4, 7), (24, 1, 9))
+KERNEL_CASES = [
+    (batch * nw, heads, 49, 32, nw if masked else None, dtype)
+    for heads, nw, batch in SWIN_T_STAGES
+    for masked in (True, False)
+    for dtype in (torch.float16, torch.bfloat16)
+] + [
+    (64 * 64, 3, 49, 32, 64, torch.float16),
+    (40, 4, 64, 64, 4, torch.float16),
+    (9, 2, 64, 64, None, torch.bfloat16),
+    (7, 3, 49, 64, 7, torch.bfloat16),
+    (9, 2, 64, 32, None, torch.bfloat16),
+    (5, 3, 1, 64, None, torch.float16),
+    (7, 2, 13, 32, 7, torch.float16),
+    (11, 2, 33, 32, None, torch.bfloat16),
+]
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize(
-    ("windows", "heads", "n", "d", "nw", "dtype"),
-    [
-        (64 * 3, 3, 49, 32, 64, torch.float16),
-        (16 * 5, 6, 49, 32, 16, torch.bfloat16),
-        (4 * 7, 12, 49, 32, None, torch.float16),
-        (3, 24, 49, 32, 1, torch.bfloat16),
-        (40, 4, 64, 64, 4, torch.float16),
-        (9, 2, 64, 32, None, torch.bfloat16),
-        (5, 3, 1, 64, None, torch.float16),
-        (7, 2, 13, 32, 7, torch.float16),
-    ],
-)
-def test_kernel_matches_reference(windows, heads, n, d, nw, dtype):
+@pytest.mark.parametrize("kernel", wa.KERNEL_CHOICES)
+@pytest.mark.parametrize(("windows", "heads", "n", "d", "nw", "dtype"), KERNEL_CASES)
+def test_kernel_matches_reference(kernel, windows, heads, n, d, nw, dtype):
     dev = "cuda"
     q, k, v, bias, mask = inputs(windows, heads, n, d, nw, dtype=dtype, device=dev)
     bias = bias.float()
     scale = d**-0.5
     exact = literal_attention(q, k, v, bias, mask, scale) if windows * heads <= 64 else None
     ref = wa._attention_reference(q, k, v, bias, mask, scale)
-    out = wa._attention_cuda(q, k, v, bias, mask, scale)
+    out = wa._attention_cuda_with(kernel, q, k, v, bias, mask, scale)
     assert out.dtype == dtype and torch.isfinite(out).all()
     assert _rel(out, ref) < HALF_TOL[dtype]
     if exact is not None:
         assert _rel(out, exact) < HALF_TOL[dtype]
     dout = torch.randn_like(q)
-    got = wa._attention_backward_cuda(dout, q, k, v, bias, mask, scale)
+    got = wa._attention_backward_cuda_with(kernel, dout, q, k, v, bias, mask, scale)
     want = wa._attention_backward_reference(
         dout.double(), q.double(), k.double(), v.double(), bias.double(), mask, scale
     )
     for name, g, w in zip(("dq", "dk", "dv", "dbias"), got, want):
+        assert g.shape == w.shape and g.dtype == (bias.dtype if name == "dbias" else dtype), name
         assert torch.isfinite(g).all(), name
         assert _rel(g, w) < 2 * HALF_TOL[dtype], name
 
 
 @pytest.mark.cuda
-def test_kernel_reads_strided_qkv_views():
+@pytest.mark.parametrize("kernel", wa.KERNEL_CHOICES)
+def test_kernel_reads_unaligned_and_strided_views(kernel):
+    # a 2-byte offset into the storage and odd strides: the mma path copies, scalar reads
+    base = torch.randn(6 * 3 * 49 * 33 + 1, device="cuda", dtype=torch.float16)
+    q = base[1:].view(6, 3, 49, 33)[..., :32]
+    k, v = torch.randn(2, 6, 3, 49, 32, device="cuda", dtype=torch.float16).unbind(0)
+    bias = torch.randn(3, 49, 49, device="cuda")
+    mask = torch.where(torch.rand(2, 49, 49, device="cuda") < 0.3, -100.0, 0.0)
+    out = wa._attention_cuda_with(kernel, q, k, v, bias, mask, 0.2)
+    ref = wa._attention_reference(q.contiguous(), k, v, bias, mask, 0.2)
+    assert _rel(out, ref) < HALF_TOL[torch.float16]
+    dout = torch.randn(6, 3, 49, 32, device="cuda", dtype=torch.float16)
+    got = wa._attention_backward_cuda_with(kernel, dout, q, k, v, bias, mask, 0.2)
+    want = wa._attention_backward_reference(dout, q.contiguous(), k, v, bias, mask, 0.2)
+    for g, w in zip(got, want):
+        assert _rel(g, w) < 2 * HALF_TOL[torch.float16]
+
+
+@pytest.mark.cuda
+def test_kernel_switch_routes_the_op(monkeypatch):
+    q, k, v, bias, mask = inputs(32, 3, 49, 32, 4, dtype=torch.float16, device="cuda")
+    bias = bias.float().requires_grad_()
+    ref = wa._attention_reference(q, k, v, bias, mask, 0.2)
+    outs = {}
+    for kernel in wa.KERNEL_CHOICES:
+        monkeypatch.setenv(wa.KERNEL_ENV, kernel)
+        assert wa.attention_kernel(q.device) == kernel  # the GPUs this runs on are sm_80+
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, bias)]
+        outs[kernel] = window_attention(*leaves, mask, 0.2)
+        outs[kernel].float().square().sum().backward()
+        assert _rel(outs[kernel], ref) < HALF_TOL[torch.float16]
+        assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in leaves)
+    assert _rel(outs["mma"], outs["scalar"]) < HALF_TOL[torch.float16]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kernel", wa.KERNEL_CHOICES)
+def test_kernel_reads_strided_qkv_views(kernel):
     x = torch.randn(32, 49, 3, 3, 32, device="cuda", dtype=torch.float16)
     q, k, v = x.permute(2, 0, 3, 1, 4).unbind(0)
     bias = torch.randn(3, 49, 49, device="cuda")
-    out = window_attention(q, k, v, bias, None, 0.2)
+    out = wa._attention_cuda_with(kernel, q, k, v, bias, None, 0.2)
     ref = wa._attention_reference(q.contiguous(), k.contiguous(), v.contiguous(), bias, None, 0.2)
     assert _rel(out, ref) < HALF_TOL[torch.float16]
 
