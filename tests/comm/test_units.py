@@ -444,7 +444,7 @@ def test_trees_that_wait_on_the_host_are_the_ones_offloaded_by_default(make, syn
 
 def test_a_cast_state_loaded_from_a_checkpoint_decodes() -> None:
     # Run-time fields come back as None after unpickling; the cast's cached 1/scale factor
-    # must be rebuilt, not read from None (a restored fp16 hook failed its first bucket).
+    # must be rebuilt, not read from None (else a restored fp16 hook fails its first bucket).
     import pickle
 
     hook = comm_cast.cast_hook("t", torch.float16, None, 8.0)
@@ -456,7 +456,8 @@ def test_a_cast_state_loaded_from_a_checkpoint_decodes() -> None:
 
 
 def test_topology_needs_no_numpy() -> None:
-    # torch does not require numpy; all_gather_object does (a fresh `pip install` failed).
+    # torch does not require numpy; all_gather_object does: without numpy the topology must
+    # still be found.
     code = (
         "import sys; sys.modules['numpy'] = None\n"
         "import socket, torch.distributed as dist\n"
