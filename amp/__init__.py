@@ -13,7 +13,7 @@ One line turns a native AMP loop into O2 (half model, fp32 BatchNorm, fp32 maste
         torch.nn.utils.clip_grad_norm_(aiak.amp.parameters(optimizer), max_norm)
         scaler.step(optimizer); scaler.update()
 
-:func:`install` adds the seed's spellings ``torch.cuda.amp.aiak_amp_decorate`` /
+:func:`install` adds AIAK-Training's spellings ``torch.cuda.amp.aiak_amp_decorate`` /
 ``aiak_amp_parameters`` and makes every ``GradScaler`` follow the O2 policy (x2 after 2000 clean
 steps, /2 on overflow, within [min_loss_scale, max_loss_scale]) for decorated optimizers;
 :func:`uninstall` undoes it. Without install(), use :class:`GradScaler`. Apex's own style,
@@ -50,8 +50,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from aiak.amp._decorate import AmpState, decorate, parameters, scale_loss, state_of
+from aiak.amp._amp_state import AmpState, parameters, state_of
+from aiak.amp._decorate import decorate
 from aiak.amp._install import GradScaler, install, installed, uninstall
+from aiak.amp._scale_loss import scale_loss
 from aiak.amp._scaler import LossScalePolicy, LossScaler
 from aiak.amp._state import TRANSITIONS, AmpStateError, Event, Stage
 
@@ -76,6 +78,18 @@ __all__ = [
 ]
 
 
+def _check_targets(
+    where: str, model: Any, optimizer: Any, scaler: torch.amp.GradScaler | None
+) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{where}: model must be an nn.Module, got {type(model).__name__}")
+    state_of(optimizer)
+    if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+        raise TypeError(
+            f"{where}: scaler must be a torch.amp.GradScaler or None, got {type(scaler).__name__}"
+        )
+
+
 def state_dict(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -86,7 +100,7 @@ def state_dict(
     Call it after ``scaler.update()`` (GradScaler's own rule). Tensors are references, as in
     torch's own state_dicts: ``torch.save`` the result, do not keep it while training on.
     """
-    state_of(optimizer)
+    _check_targets("aiak.amp.state_dict", model, optimizer, scaler)
     out: dict[str, Any] = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
     if scaler is not None:
         out["scaler"] = scaler.state_dict()
@@ -104,12 +118,23 @@ def load_state_dict(
     The model goes first and the optimizer second: loading the model re-derives the masters
     from its half weights, then the optimizer's exact fp32 masters overwrite them.
     """
-    state_of(optimizer)
+    where = "aiak.amp.load_state_dict"
+    _check_targets(where, model, optimizer, scaler)
+    if not isinstance(checkpoint, dict):
+        raise TypeError(f"{where}: checkpoint must be a dict, got {type(checkpoint).__name__}")
+    for key in ("model", "optimizer") + (("scaler",) if scaler is not None else ()):
+        if key not in checkpoint:
+            raise ValueError(f"{where}: the checkpoint has no {key!r} entry")
+        if not isinstance(checkpoint[key], dict):
+            raise TypeError(
+                f"{where}: checkpoint[{key!r}] must be a state_dict (a dict), got "
+                f"{type(checkpoint[key]).__name__}"
+            )
+    # The optimizer's amp entry is checked before the model changes.
+    amp_entry = checkpoint["optimizer"].get("aiak_amp")
+    if amp_entry is not None:
+        state_of(optimizer).check_loadable(amp_entry)
     model.load_state_dict(checkpoint["model"])
     optimizer.load_state_dict(checkpoint["optimizer"])
     if scaler is not None:
-        if "scaler" not in checkpoint:
-            raise ValueError(
-                "aiak.amp.load_state_dict: a scaler was given; the checkpoint has none"
-            )
         scaler.load_state_dict(checkpoint["scaler"])

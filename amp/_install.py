@@ -1,6 +1,6 @@
 """The one place aiak.amp touches torch's namespaces: :func:`install` / :func:`uninstall`.
 
-install() adds the seed's spellings ``torch.cuda.amp.aiak_amp_decorate`` and
+install() adds AIAK-Training's spellings ``torch.cuda.amp.aiak_amp_decorate`` and
 ``torch.cuda.amp.aiak_amp_parameters`` (and the same under ``torch.amp``), and replaces
 ``torch.amp.GradScaler.update`` (which ``torch.cuda.amp.GradScaler`` inherits) by one that, for
 the optimizers amp decorated, applies the O2 policy around torch's own update. A GradScaler used
@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from aiak.amp import _scaler
-from aiak.amp._decorate import _STATES, decorate, parameters
+from aiak.amp._amp_state import STATES, parameters
+from aiak.amp._decorate import decorate
 
 __all__ = ["GradScaler", "install", "installed", "uninstall"]
 
@@ -32,7 +33,7 @@ def _o2_update(scaler: torch.amp.GradScaler, new_scale: float | torch.Tensor | N
     policy = None
     # A disabled scaler has no per-optimizer state (and its update does nothing).
     for key in getattr(scaler, "_per_optimizer_states", ()):
-        state = _STATES.get(key)
+        state = STATES.get(key)
         if state is not None:
             policy = state.policy
             break
@@ -46,7 +47,41 @@ def _o2_update(scaler: torch.amp.GradScaler, new_scale: float | torch.Tensor | N
 
 class GradScaler(torch.amp.GradScaler):
     """``torch.amp.GradScaler`` that applies the O2 policy to decorated optimizers without
-    install(). Same constructor; its growth/backoff arguments are overridden for O2."""
+    install(). Same constructor, with its arguments checked under their names; its
+    growth/backoff arguments are overridden for O2."""
+
+    def __init__(
+        self,
+        device: str = "cuda",
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+    ) -> None:
+        where = "aiak.amp.GradScaler"
+        if not isinstance(device, str):
+            raise TypeError(f"{where}: device must be a str, got {type(device).__name__}")
+        try:
+            torch.device(device)
+        except RuntimeError:
+            raise ValueError(f"{where}: device {device!r} is not a device type") from None
+        if not isinstance(enabled, bool):
+            raise TypeError(f"{where}: enabled must be a bool, got {type(enabled).__name__}")
+        # The policy's checks, under GradScaler's own argument names.
+        _scaler.check_scale(where, "init_scale", init_scale)
+        growth = _scaler.check_number(where, "growth_factor", growth_factor)
+        if not 1.0 < growth < float("inf"):
+            raise ValueError(
+                f"{where}: growth_factor must be finite and > 1, got {growth_factor!r}"
+            )
+        backoff = _scaler.check_number(where, "backoff_factor", backoff_factor)
+        if not 0.0 < backoff < 1.0:
+            raise ValueError(f"{where}: backoff_factor must be in (0, 1), got {backoff_factor!r}")
+        _scaler.check_int(where, "growth_interval", growth_interval, 1)
+        super().__init__(
+            device, init_scale, growth_factor, backoff_factor, growth_interval, enabled
+        )
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         _o2_update(self, new_scale)
@@ -67,7 +102,7 @@ def _patches() -> list[tuple[Any, str, Any]]:
 
 
 def install() -> None:
-    """Attach the seed's spellings to torch and make every GradScaler O2-aware. Idempotent."""
+    """Attach AIAK-Training's spellings to torch and make every GradScaler O2-aware. Idempotent."""
     if _saved:
         return
     for owner, name, value in _patches():

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-# The one sibling amp may touch, and only through torch.ops (ARCHITECTURE.md rule 1).
+# The one sibling amp may touch, and only through torch.ops (docs/architecture.md, rule 1).
 with contextlib.suppress(ImportError):
     import aiak.ops  # noqa: F401  (registers torch.ops.aiak.*)
 

@@ -98,7 +98,7 @@ def time_graph(fn: Callable[[], Any], reps: int = 20) -> tuple[float, ...] | Non
 
 
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy bandwidth in GB/s, counting bytes read + written (GPU.md)."""
+    """Device-to-device copy bandwidth in GB/s, counting bytes read + written."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
     _, p50, _ = time_eager(lambda: dst.copy_(src), warmup=3, reps=20)

@@ -8,7 +8,7 @@ one process on the same synthetic batch, CUDA events, median of the timed steps)
 Modes: ``fp32``; ``o1`` (autocast fp16 + GradScaler); ``o2`` (aiak.amp.decorate + GradScaler);
 ``o2-fused`` (o2 with a fused optimizer from aiak.optim, when it has one); on request
 ``o2-patch`` (o2 with ``patch_torch_functions=True``: the user's autocast stays on inside the
-half model, as aiak did before 2026-11-23). For each: median /
+half model). For each: median /
 p20 / p80 ms per step, images/s, speed-up vs o1, peak memory, mean loss of the last 10 of the
 ``--steps`` steps, mean loss over all timed steps and its relative gap to o1's, and for o2
 modes the time O2 adds around forward+backward (grad copy + unscale + step + copy back, CUDA
@@ -160,9 +160,9 @@ def run_mode(
     copy_marks: list[tuple[Any, Any]] = []
     if o2:
         # Time the grad copy amp does at the end of backward (a final autograd callback).
-        # Only mark here; read after the step: a synchronize inside backward (as this did
-        # until 2026-11) stalls the host there and exposes all the host work after it, which
-        # an untimed O2 step hides behind the GPU; it inflated the o2 rows' step times.
+        # Only mark here; read after the step: a synchronize inside backward stalls the host
+        # there and exposes all the host work after it, which an untimed O2 step hides behind
+        # the GPU, and would inflate the o2 rows' step times.
         state = amp.state_of(optimizer)
         inner = state._after_backward
 
@@ -204,7 +204,7 @@ def run_mode(
         "final_loss": torch.stack(losses[-10:]).float().mean().item(),
         # The gap to o1 is taken on the mean over all steps: on one synthetic batch every mode
         # memorises it and the last losses are ~1e-3, where relative gaps mean nothing (fp32
-        # itself ended 6.7x off o1 on ResNet-50, H100, 2026-11-23).
+        # itself can end several times off o1 on ResNet-50).
         "mean_loss": torch.stack(losses[warmup:]).float().mean().item(),
         # o2 rows: what O2 adds around forward+backward; o1/fp32 rows: their own step+update.
         "o2_added_ms": added,

@@ -10,7 +10,7 @@ by default (nan_check on aiak's worker thread, the others on DDP's autograd thre
 ``offload``/``inline`` rows run it the other way; ``coalesce k`` rows issue k buckets'
 allreduces as one collective call; ``torch fp16 C++`` is DDP's built-in C++ fp16 hook.
 On one host with NVLink compression costs more than it saves; the figure here is the overhead
-each hook adds, e.g. fp16 (torch's hook: +4.0 ms on 2 x H200, GPU.md).
+each hook adds (benchmarks/results/README.md has the measured rows).
 Rank 0 prints the table and appends rows to benchmarks/results/comm_nccl.csv.
 """
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from aiak import comm
-from aiak.comm import _wire
+from aiak.comm import _collectives, _futures
 
 
 class FakeBucket:
@@ -67,7 +67,7 @@ class _Work:
         self._t = t
 
     def get_future(self) -> torch.futures.Future:
-        fut = _wire.new_future(self._t)
+        fut = _futures.new_future(self._t)
         fut.set_result([self._t])
         return fut
 
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     group = FakeGroup()
-    link = _wire.Link(group, (0, 1), inter=False)
+    link = _collectives.Link(group, (0, 1), inter=False)
     link._avg = device.type == "cuda"  # as NCCL would (gloo: divide, then sum)
     real_all_reduce = dist.all_reduce
     dist.all_reduce = _fake_all_reduce  # torch's hooks call it
@@ -187,7 +187,7 @@ def _profiled(row: str) -> Callable[..., float]:
     return timed
 
 
-def _propagate_link(state: comm.HookState, link: _wire.Link) -> None:
+def _propagate_link(state: comm.HookState, link: _collectives.Link) -> None:
     """Wrappers hand their own link down; nothing else of setup is needed for flat hooks."""
     for child in state.children():
         child._link, child._ready = link, True

@@ -28,8 +28,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from aiak import comm
-from aiak.comm import _offload, _wire
-from aiak.comm import hooks as comm_hooks
+from aiak.comm import _collectives, _offload
+from aiak.comm import cast as comm_cast
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_comm_nccl import _model, _sync, setup  # the same model, set-up and sync
@@ -65,9 +65,9 @@ class Counters:
 
 
 PHASES = (
-    (_wire, "all_reduce_mean"),
-    (comm_hooks._Cast, "encode"),
-    (comm_hooks._Cast, "decode_"),
+    (_collectives, "all_reduce_mean"),
+    (comm_cast.Cast, "encode"),
+    (comm_cast.Cast, "decode_"),
 )
 
 

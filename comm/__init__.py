@@ -8,28 +8,28 @@ Factories return hooks; wrappers take hooks; any combination composes::
 
 States are small picklable ``__slots__`` objects (process groups are dropped on pickle and set
 up again on the first bucket). Pure PyTorch: no other aiak subpackage is imported.
+
+Where things live: ``_base`` (the hook base and its state), one module per hook
+(``allreduce``, ``cast``, ``nan_check``, ``multi_stream``, ``hierarchical``, ``powersgd``),
+``_futures`` / ``_collectives`` / ``_buckets`` / ``_streams`` (the wire: future chaining,
+collectives with byte accounting, bucket views, CUDA streams), ``env`` (the one reader of
+environment variables), ``activate`` (hooks from the environment, registration on DDP),
+``topology``, ``accumulate``, ``_offload`` (the worker thread), ``lifecycle`` (clean exits).
 """
 
-from ._wire import CommError, gloo_timeout
+from ._base import CommHook, HookState
+from ._futures import CommError
 from .accumulate import Accumulator, accumulate
+from .activate import ddp, from_env, register
+from .allreduce import AllreduceState, allreduce
+from .cast import CastState, bf16_compress, fp16_compress
 from .dgc import DGCSGD, DGCState, check_dgc_optimizer, dgc
 from .downsample import DownsampleState, downsample
-from .env import EnvConfig, bucket_cap_mb, ddp, from_env, parse_env, register
+from .env import EnvConfig, bucket_cap_mb, gloo_timeout, parse_env
 from .hierarchical import HierarchicalState, hierarchical
-from .hooks import (
-    AllreduceState,
-    CastState,
-    CommHook,
-    HookState,
-    MultiStreamState,
-    NanCheckState,
-    allreduce,
-    bf16_compress,
-    fp16_compress,
-    multi_stream,
-    nan_check,
-)
 from .lifecycle import exit_rank, shutdown
+from .multi_stream import MultiStreamState, multi_stream
+from .nan_check import NanCheckState, nan_check
 from .overlap import OverlapState, OverlapStep, overlap_step
 from .powersgd import PowerSGDState, powersgd
 from .topology import Topology, topology

@@ -19,7 +19,6 @@ which is the same on every rank: the order gloo and NCCL match collectives by.
 from __future__ import annotations
 
 import atexit
-import os
 import queue
 import sys
 import threading
@@ -28,7 +27,8 @@ from typing import Any
 
 import torch
 
-from . import _wire
+from ._futures import CommError, Pending
+from .env import rank_label
 
 __all__ = ["stop", "submit"]
 
@@ -52,7 +52,7 @@ def submit(run: Callable[[Any], Future], bucket: Any) -> Future:
     if buf.is_cuda:
         ready = torch.cuda.Event()
         ready.record()  # the gradients in the bucket are written on this (current) stream
-    out = _wire.Pending(buf)
+    out = Pending(buf)
     _ensure_worker()
     _queue.put((run, bucket, ready, out))
     return out.future
@@ -90,8 +90,8 @@ def stop(timeout: float = DRAIN_SECONDS) -> None:
         _queue.put(None)
         thread.join(timeout=timeout)
         if thread.is_alive():
-            raise _wire.CommError(
-                f"aiak.comm: rank {os.environ.get('RANK', '?')}: the hook worker thread did not"
+            raise CommError(
+                f"aiak.comm: rank {rank_label()}: the hook worker thread did not"
                 f" finish its queued buckets within {timeout:g} s"
             )
         _thread = None
@@ -103,7 +103,7 @@ def _drain() -> None:
     exception")."""
     try:
         stop(DRAIN_SECONDS)
-    except _wire.CommError as exc:
+    except CommError as exc:
         print(f"aiak.comm: {exc}", file=sys.stderr)
 
 
@@ -135,7 +135,7 @@ def _work() -> None:
             out.set_exception(exc)
 
 
-def _forward(fut: Future, out: _wire.Pending) -> None:
+def _forward(fut: Future, out: Pending) -> None:
     # Runs where ``fut`` completes (inline on NCCL, on a side stream that waits for it), so a
     # CUDA-aware ``out`` records its completion after everything the hook queued.
     try:

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from .env import parse_env
+
 __all__ = ["Accumulator", "accumulate"]
 
 
@@ -64,8 +66,6 @@ def accumulate(
             f"accumulate: ddp_model must be DistributedDataParallel, got {type(ddp_model).__name__}"
         )
     if n_steps is None:
-        from .env import parse_env
-
         n_steps = parse_env().accumulate
     if isinstance(n_steps, bool) or not isinstance(n_steps, int):
         raise TypeError(f"accumulate: n_steps must be an int, got {type(n_steps).__name__}")

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from .env import parse_env, register
+from .activate import build, register
+from .env import parse_env
 
 __all__ = ["activate", "active", "check", "deactivate"]
 
@@ -51,7 +52,7 @@ _logged: set[str] = set()
 
 def _asked(env: Mapping[str, str]) -> list[str]:
     cfg = parse_env(env)
-    asks = cfg.build() is not None or cfg.perf_steps > 0 or cfg.fusion_mb is not None
+    asks = build(cfg) is not None or cfg.perf_steps > 0 or cfg.fusion_mb is not None
     if not asks:
         return []
     return [f"{k}={env[k]}" for k in VARIABLES if k in env]

@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from . import _wire
-from ._wire import Link
-from .hooks import CommHook, HookState, Setup
+from . import _collectives, _futures, _streams
+from ._base import CommHook, HookState, Setup
+from ._collectives import Link
 
 _SELECT: list[Any] = []  # aiak.ops's selection op, imported on first use (lean import)
 
@@ -197,7 +197,7 @@ class _DGC(CommHook):
         futs = []
         if dense:
             dbuf = torch.cat([t.reshape(-1) for _, t in dense]).to(buf.dtype)
-            futs.append(_wire.real(_wire.all_reduce_mean(dbuf, link, state.traffic)))
+            futs.append(_futures.real(_collectives.all_reduce_mean(dbuf, link, state.traffic)))
         if vals:
             vdtype = torch.float16 if state.fp16_values else torch.float32
             idtype = torch.int32 if state.int32_indices else torch.int64
@@ -208,13 +208,15 @@ class _DGC(CommHook):
             nvb = vcat.numel() * vcat.element_size()
             payload = torch.cat([vcat.view(torch.uint8), icat.view(torch.uint8)])
             gathered = torch.empty(world * payload.numel(), dtype=torch.uint8, device=buf.device)
-            futs.append(_wire.real(_wire.all_gather(gathered, payload, link, state.traffic)))
+            futs.append(
+                _futures.real(_collectives.all_gather(gathered, payload, link, state.traffic))
+            )
 
         def decode(done: list[torch.futures.Future]) -> torch.Tensor:
             for f in done:
                 f.value()  # re-raises a failed collective
             if vals:
-                _wire.keep(gathered)
+                _streams.keep(gathered)
                 rows = gathered.view(world, -1)
                 v_all = rows[:, :nvb].contiguous().view(vdtype).reshape(-1)
                 i_all = rows[:, nvb:].contiguous().view(idtype).reshape(-1).long()
@@ -224,14 +226,14 @@ class _DGC(CommHook):
             else:
                 buf.zero_()
             if dense:
-                _wire.keep(dbuf)
+                _streams.keep(dbuf)
                 o = 0
                 for off, t in dense:
                     buf[off : off + t.numel()].copy_(dbuf[o : o + t.numel()])
                     o += t.numel()
             return buf
 
-        return _wire.after(torch.futures.collect_all(futs), decode, buf)
+        return _futures.after(torch.futures.collect_all(futs), decode, buf)
 
 
 def dgc(

@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 
-from . import _wire
-from ._wire import Link
-from .hooks import CommHook, HookState, Setup, _check_hook, _Wrapper, allreduce
+from . import _buckets, _futures, _streams
+from ._base import CommHook, HookState, Setup, Wrapper, check_hook
+from ._collectives import Link
+from .allreduce import allreduce
 
 __all__ = ["DownsampleState", "downsample"]
 
@@ -36,7 +37,7 @@ class DownsampleState(HookState):
         return (self.inner,)
 
 
-class _Downsample(_Wrapper):
+class _Downsample(Wrapper):
     __slots__ = ()
 
     def setup_tree(self, state: DownsampleState, ctx: Setup) -> None:
@@ -67,23 +68,23 @@ class _Downsample(_Wrapper):
                 mem[a - off : b - off].zero_()
         if hi == lo:  # a bucket shorter than n: this step sends none of it (on every rank)
             buf.zero_()
-            return _wire.done(buf)
-        fut = self.inner.reduce(state.inner, _wire.SubBucket(send, [send], bucket), link)
+            return _futures.done(buf)
+        fut = self.inner.reduce(state.inner, _buckets.SubBucket(send, [send], bucket), link)
 
         def place(value: torch.Tensor) -> torch.Tensor:
-            _wire.keep(send)
+            _streams.keep(send)
             buf.zero_()
             buf[lo:hi].copy_(value.reshape(-1)[: hi - lo])
             return buf
 
-        return _wire.after(fut, place, buf)
+        return _futures.after(fut, place, buf)
 
 
 def downsample(inner: CommHook | None = None, n: int = 2, momentum: float = 1.0) -> CommHook:
     """Send a rotating ``1/n`` of every bucket through ``inner`` (default: allreduce); the
     rest stays in a local memory with gradient ``momentum`` (see the module docstring)."""
     inner = allreduce() if inner is None else inner
-    _check_hook("downsample", "inner", inner)
+    check_hook("downsample", "inner", inner)
     if isinstance(n, bool) or not isinstance(n, int):
         raise TypeError(f"downsample: n must be an int, got {type(n).__name__}")
     if n < 1:

@@ -1,34 +1,34 @@
-"""Activation from the AIAK_*/PERSEUS_* environment variables, and registration on DDP.
+"""The one reader of aiak.comm's environment variables.
+
+AIAK_* / PERSEUS_* select and tune the hooks (:func:`parse_env`); ``GLOO_TIMEOUT_SECONDS``
+bounds every collective (:func:`gloo_timeout`); torchrun's ``GROUP_RANK`` /
+``LOCAL_WORLD_SIZE`` place ranks on nodes (:func:`node_key`, :func:`local_world_size`);
+``RANK`` names the rank in messages written before a process group exists (:func:`rank_label`).
 
 Every variable is validated, used or not: a malformed value (``AIAK_FP16_COMPRESSION=yes``) or
 a contradiction (``AIAK_HIERARCHICAL_ALLREDUCE=1`` with ``PERSEUS_ALLREDUCE_MODE=0``) is a
-``ValueError`` naming the variable, at start-up, never a silent default.
+``ValueError`` naming the variable, at start-up, never a silent default. This module imports
+nothing else of aiak.comm, so every other module may import it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
+import socket
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import torch
-
-from ._wire import gloo_timeout
-from .downsample import downsample
-from .hierarchical import hierarchical
-from .hooks import (
-    CommHook,
-    allreduce,
-    check_coalesce,
-    fp16_compress,
-    multi_stream,
-    nan_check,
-)
-from .perf_check import watch
-from .powersgd import powersgd
-
-__all__ = ["EnvConfig", "bucket_cap_mb", "ddp", "from_env", "parse_env", "register"]
+__all__ = [
+    "EnvConfig",
+    "bucket_cap_mb",
+    "gloo_timeout",
+    "local_world_size",
+    "node_key",
+    "parse_env",
+    "rank_label",
+]
 
 
 def _get(env: Mapping[str, str], name: str) -> str | None:
@@ -86,36 +86,6 @@ class EnvConfig:
     momentum: float = 1.0  # PERSEUS_GRADIENT_MOMENTUM (memory of the elements not sent)
     perf_steps: int = 0  # PERSEUS_PERF_CHECK_N_STEPS (0: off)
     perf_margin: float = 0.2  # AIAK_PERF_CHECK_MARGIN: a rank this fraction over the median
-
-    def build(self) -> CommHook | None:
-        """The hook these settings ask for; ``None`` when they ask for DDP's own allreduce."""
-        fp16_everywhere = self.fp16 or self.dtype == 0
-        fp16_inter = self.dtype == 2
-        two_level = self.hierarchical or self.mode == 1 or (self.mode is None and fp16_inter)
-        if self.powersgd:
-            slow: CommHook = powersgd(rank=self.rank, start_iter=self.start_iter)
-        elif fp16_inter or (fp16_everywhere and not two_level):
-            slow = fp16_compress(scale=self.scale)
-        else:
-            slow = allreduce()
-        if self.streams > 1:
-            slow = multi_stream(slow, self.streams)
-        hook = hierarchical(outer=slow) if two_level else slow
-        if two_level and fp16_everywhere:  # the whole two-level exchange in fp16
-            hook = fp16_compress(hook, scale=self.scale)
-        if self.downsample > 1:
-            hook = downsample(hook, self.downsample, self.momentum)
-        if self.nancheck:
-            hook = nan_check(hook)
-        plain = not (
-            two_level or fp16_everywhere or fp16_inter or self.powersgd or self.downsample > 1
-        )
-        extras = self.streams > 1 or self.nancheck or self.log_steps or self.coalesce > 1
-        if plain and not extras:
-            return None
-        hook.state.log_every = self.log_steps
-        hook.state.coalesce = self.coalesce
-        return hook
 
 
 def parse_env(environ: Mapping[str, str] | None = None) -> EnvConfig:
@@ -183,7 +153,7 @@ def parse_env(environ: Mapping[str, str] | None = None) -> EnvConfig:
         ),
     )
     if "GLOO_TIMEOUT_SECONDS" in env:
-        _check_timeout(env["GLOO_TIMEOUT_SECONDS"])
+        gloo_timeout(env)
     conflicts = [
         (
             cfg.hierarchical and cfg.mode == 0,
@@ -215,102 +185,65 @@ def parse_env(environ: Mapping[str, str] | None = None) -> EnvConfig:
     return cfg
 
 
-def _check_timeout(raw: str) -> None:
-    old = os.environ.get("GLOO_TIMEOUT_SECONDS")
-    os.environ["GLOO_TIMEOUT_SECONDS"] = raw
-    try:
-        gloo_timeout()
-    finally:
-        if old is None:
-            del os.environ["GLOO_TIMEOUT_SECONDS"]
-        else:
-            os.environ["GLOO_TIMEOUT_SECONDS"] = old
-
-
-def from_env(environ: Mapping[str, str] | None = None) -> CommHook | None:
-    """The hook the environment asks for, or ``None`` for DDP's built-in allreduce."""
-    return parse_env(environ).build()
-
-
 def bucket_cap_mb(environ: Mapping[str, str] | None = None) -> float | None:
     """DDP's ``bucket_cap_mb`` from ``PERSEUS_ALLREDUCE_FUSION`` (``None``: DDP's default)."""
     return parse_env(environ).fusion_mb
 
 
-def register(
-    ddp_model: torch.nn.parallel.DistributedDataParallel,
-    hook: CommHook | None = None,
-    state: Any = None,
-    environ: Mapping[str, str] | None = None,
-    offload: bool | None = None,
-    coalesce: int | None = None,
-) -> CommHook | None:
-    """Register ``hook`` (default: :func:`from_env`) on ``ddp_model``; returns it.
+# The longest timeout accepted: a year. gloo keeps it in milliseconds and timedelta refuses
+# values past ~2.7e6 years, so larger numbers (1e20, inf) could only overflow somewhere deeper.
+MAX_TIMEOUT_SECONDS = 365 * 24 * 3600.0
 
-    Sets up groups before training (a collective: call it on every rank) and gives the hook
-    the parameter names for its error messages. ``state`` restores a checkpointed state.
-    ``offload``: run the hook's Python on aiak's worker thread instead of DDP's autograd
-    thread. ``None`` (default): for CUDA gradients when the tree waits for the GPU on the host
-    (``nan_check``), whose wait would otherwise stall the backward's launches; other trees are
-    cheaper inline. Errors then reach DDP's ``backward()`` through the future.
-    ``coalesce``: issue the allreduces of this many consecutive buckets as one collective call
-    (``state.coalesce``; default 1). It saves host time per call on host-bound steps with fast
-    links; it delays each held bucket's transfer by a bucket, so leave it at 1 on slow links.
-    DDP fixes its bucket size at construction, so with ``PERSEUS_ALLREDUCE_FUSION`` set the
-    model must have been built with it (see :func:`ddp`); otherwise this raises.
-    """
-    if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
-        raise TypeError(
-            f"register: ddp_model must be DistributedDataParallel, got {type(ddp_model).__name__}"
-        )
-    if getattr(ddp_model, "_aiak_auto", False):  # comm.auto registered the env's hook already
-        if hook is None:
-            return ddp_model._aiak_hook
+
+def gloo_timeout(environ: Mapping[str, str] | None = None) -> datetime.timedelta:
+    """The collective timeout from ``GLOO_TIMEOUT_SECONDS`` (default 60 s, as Perseus)."""
+    env = os.environ if environ is None else environ
+    raw = _get(env, "GLOO_TIMEOUT_SECONDS")
+    if raw is None:
+        return datetime.timedelta(seconds=60)
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not 1e-3 <= seconds <= MAX_TIMEOUT_SECONDS:  # also refuses nan and inf
         raise ValueError(
-            "register: aiak's start-up activation (aiakrun / AIAK_AUTO=1) already registered the "
-            "environment's hook on this DDP model; DDP takes one hook: unset the AIAK_/PERSEUS_ "
-            "comm variables to register your own"
+            "GLOO_TIMEOUT_SECONDS must be a number of seconds from 0.001 to "
+            f"{MAX_TIMEOUT_SECONDS:.0f} (a year), got {raw!r}"
         )
-    cfg = parse_env(environ)
-    if cfg.fusion_mb is not None and ddp_model.bucket_bytes_cap != int(cfg.fusion_mb * 2**20):
-        raise ValueError(
-            f"PERSEUS_ALLREDUCE_FUSION={cfg.fusion_mb} MiB but the DDP model was built with "
-            f"{ddp_model.bucket_bytes_cap / 2**20:g} MiB buckets; build it with "
-            "aiak.comm.ddp(module) or bucket_cap_mb=aiak.comm.bucket_cap_mb()"
-        )
-    hook = cfg.build() if hook is None else hook
-    if hook is None:
-        if cfg.perf_steps:
-            watch(ddp_model, cfg.perf_steps, margin=cfg.perf_margin)
+    return datetime.timedelta(seconds=seconds)
+
+
+def _env_int(environ: Mapping[str, str], name: str, minimum: int) -> int | None:
+    raw = _get(environ, name)
+    if raw is None:
         return None
-    if not isinstance(hook, CommHook):
-        raise TypeError(f"register: hook must be an aiak.comm hook, got {type(hook).__name__}")
-    state = hook.state if state is None else state
-    if offload is not None:
-        if not isinstance(offload, bool):
-            raise TypeError(f"register: offload must be a bool or None, got {offload!r}")
-        state.offload = offload
-    if coalesce is not None:
-        state.coalesce = check_coalesce("register", coalesce)
-    names = {p: name for name, p in ddp_model.module.named_parameters()}
-    hook.setup(state, ddp_model.process_group, names)
-    if cfg.perf_steps:  # slow-rank detection wraps the hook (comm/perf_check.py)
-        watch(ddp_model, cfg.perf_steps, hook, state, margin=cfg.perf_margin)
-    else:
-        ddp_model.register_comm_hook(state, hook)
-    return hook
+    try:
+        value = int(raw)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {raw!r}")
+    return value
 
 
-def ddp(
-    module: torch.nn.Module,
-    hook: CommHook | None = None,
-    environ: Mapping[str, str] | None = None,
-    **kwargs: Any,
-) -> torch.nn.parallel.DistributedDataParallel:
-    """``DistributedDataParallel(module, **kwargs)`` with the env's bucket size and hook."""
-    cap = bucket_cap_mb(environ)
-    if cap is not None:
-        kwargs.setdefault("bucket_cap_mb", cap)
-    model = torch.nn.parallel.DistributedDataParallel(module, **kwargs)
-    register(model, hook, environ=environ)
-    return model
+def node_key(environ: Mapping[str, str] | None = None) -> str:
+    """This rank's node identity: ``GROUP_RANK`` when torchrun set it, else the hostname."""
+    environ = os.environ if environ is None else environ
+    _env_int(environ, "LOCAL_WORLD_SIZE", 1)  # validated here so a bad value fails early
+    group_rank = _env_int(environ, "GROUP_RANK", 0)
+    return f"group:{group_rank}" if group_rank is not None else f"host:{socket.gethostname()}"
+
+
+def local_world_size(environ: Mapping[str, str] | None = None) -> int | None:
+    """``LOCAL_WORLD_SIZE`` when torchrun placed the ranks (``GROUP_RANK`` set), else None."""
+    environ = os.environ if environ is None else environ
+    if "GROUP_RANK" not in environ:
+        return None
+    return _env_int(environ, "LOCAL_WORLD_SIZE", 1)
+
+
+def rank_label(environ: Mapping[str, str] | None = None) -> str:
+    """``RANK`` as the launcher set it, or ``"?"``: for messages when no group can say."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get("RANK")
+    return raw.strip() if isinstance(raw, str) and raw.strip() else "?"

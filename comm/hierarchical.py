@@ -15,9 +15,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _wire
-from ._wire import Link
-from .hooks import CommHook, HookState, Setup, _Allreduce, _Cast, _check_hook, allreduce
+from . import _buckets, _collectives, _futures, _streams
+from ._base import CommHook, HookState, Setup, check_hook
+from ._collectives import Link
+from .allreduce import Allreduce, allreduce
+from .cast import Cast
 
 __all__ = ["HierarchicalState", "hierarchical"]
 
@@ -99,25 +101,25 @@ class _Hierarchical(CommHook):
 
         def outer_stage(_: Any) -> torch.futures.Future:
             shard = buf.new_empty(shard_len)
-            _wire.keep(wire_shard)
+            _streams.keep(wire_shard)
             self.inner.decode_(state.inner, wire_shard, shard).div_(g)  # intra sum -> mean
-            fut = self.outer.reduce(state.outer, _wire.shard_views(bucket, start, shard), inter)
-            return _wire.after(fut, lambda _: gather_stage(shard), buf, chain=True)
+            fut = self.outer.reduce(state.outer, _buckets.shard_views(bucket, start, shard), inter)
+            return _futures.after(fut, lambda _: gather_stage(shard), buf, chain=True)
 
         def gather_stage(shard: torch.Tensor) -> torch.futures.Future:
-            _wire.keep(shard)
+            _streams.keep(shard)
             part = self.inner.encode(state.inner, shard, shard_len)
             full = wire if wire.data_ptr() != buf.data_ptr() else buf
-            fut = _wire.all_gather(full, part, intra, state.inner.traffic)
+            fut = _collectives.all_gather(full, part, intra, state.inner.traffic)
 
             def decode(_: Any) -> torch.Tensor:
-                _wire.keep(full)
+                _streams.keep(full)
                 return self.inner.decode_(state.inner, full, buf)
 
-            return _wire.after(fut, decode, buf)
+            return _futures.after(fut, decode, buf)
 
-        fut = _wire.reduce_scatter(wire_shard, wire, intra, state.inner.traffic)
-        return _wire.after(fut, outer_stage, buf, chain=True)
+        fut = _collectives.reduce_scatter(wire_shard, wire, intra, state.inner.traffic)
+        return _futures.after(fut, outer_stage, buf, chain=True)
 
 
 def hierarchical(
@@ -134,10 +136,10 @@ def hierarchical(
     """
     inner = allreduce() if inner is None else inner
     outer = allreduce() if outer is None else outer
-    _check_hook("hierarchical", "inner", inner)
-    _check_hook("hierarchical", "outer", outer)
-    if type(inner) not in (_Allreduce, _Cast) or (
-        isinstance(inner, _Cast) and type(inner.inner) is not _Allreduce
+    check_hook("hierarchical", "inner", inner)
+    check_hook("hierarchical", "outer", outer)
+    if type(inner) not in (Allreduce, Cast) or (
+        isinstance(inner, Cast) and type(inner.inner) is not Allreduce
     ):
         raise TypeError(
             "hierarchical: inner must be allreduce(), fp16_compress() or bf16_compress() "

@@ -41,7 +41,8 @@ import torch
 import torch.distributed as dist
 
 from . import _offload
-from ._wire import CommError
+from ._futures import CommError
+from .env import rank_label
 from .topology import forget as _forget_topology
 
 __all__ = ["exit_rank", "shutdown"]
@@ -109,9 +110,9 @@ def _release_model(model: torch.nn.parallel.DistributedDataParallel, deadline: f
 
 def _rank() -> str:
     try:
-        return str(dist.get_rank()) if dist.is_initialized() else os.environ.get("RANK", "?")
+        return str(dist.get_rank()) if dist.is_initialized() else rank_label()
     except Exception:  # a broken group still lets shutdown name the rank
-        return os.environ.get("RANK", "?")
+        return rank_label()
 
 
 def _timeout_seconds(timeout: float | None) -> float:

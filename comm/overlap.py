@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
-from . import _wire
-from ._wire import Link
+from . import _buckets, _futures
+from ._base import CommHook, HookState, Wrapper, check_hook
+from ._collectives import Link
 from .dgc import check_dgc_optimizer
-from .hooks import CommHook, HookState, _check_hook, _Wrapper
 
 __all__ = ["OverlapState", "OverlapStep", "overlap_step"]
 
@@ -116,7 +116,7 @@ class OverlapStep:
         self.steps += 1
 
 
-class _Overlap(_Wrapper):
+class _Overlap(Wrapper):
     __slots__ = ()
 
     def reduce(self, state: OverlapState, bucket: Any, link: Link) -> torch.futures.Future:
@@ -132,11 +132,11 @@ class _Overlap(_Wrapper):
                 raise RuntimeError("aiak.comm.overlap_step: the stepper was lost (unpickled?)")
             vs = views
             if value.data_ptr() != buf.data_ptr():  # a narrower wire of the same length
-                vs = _wire._mirror(views, buf, value.reshape(-1))
+                vs = _buckets._mirror(views, buf, value.reshape(-1))
             stepper.apply(step, params, vs)
             return value
 
-        return _wire.after(fut, run, buf)
+        return _futures.after(fut, run, buf)
 
 
 def overlap_step(
@@ -156,7 +156,7 @@ def overlap_step(
     a global clipping function ``f(params, **clip_grad_func_params)`` (``"norm"`` means
     ``torch.nn.utils.clip_grad_norm_``), run when the last bucket arrives.
     """
-    from .env import from_env, register
+    from .activate import from_env, register
 
     if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(
@@ -176,10 +176,10 @@ def overlap_step(
     if hook is None:
         hook = from_env()
     if hook is None:
-        from .hooks import allreduce
+        from .allreduce import allreduce
 
         hook = allreduce()
-    _check_hook("overlap_step", "hook", hook)
+    check_hook("overlap_step", "hook", hook)
     check_dgc_optimizer(hook, optimizer)
     if clip_grad_func == "norm":
         clip_grad_func = torch.nn.utils.clip_grad_norm_

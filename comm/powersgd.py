@@ -10,7 +10,7 @@ gain ``min_compression_rate`` go uncompressed. Two differences, both for composi
 * it only needs ``bucket.gradients()`` to be views of ``bucket.buffer()``, so it also runs on
   the row-aligned shard views ``hierarchical`` gives its outer hook.
 
-torch's batched hook is not used: it raises AssertionError in torch 2.11.
+torch's batched hook is not used: it fails an internal assertion on some torch releases.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
     _should_compress,
 )
 
-from . import _wire
-from ._wire import Link
-from .hooks import CommHook, HookState
+from . import _collectives, _futures, _streams
+from ._base import CommHook, HookState
+from ._collectives import Link
 
 __all__ = ["PowerSGDState", "powersgd"]
 
@@ -79,7 +79,7 @@ class _PowerSGD(CommHook):
         # The step comes from the top-level hook (bucket.step), identical on every rank.
         state.iter = bucket.step + 1
         if bucket.step < state.start_iter or link.size == 1:
-            return _wire.all_reduce_mean(buf, link, state.traffic)
+            return _collectives.all_reduce_mean(buf, link, state.traffic)
         idx = bucket.index()
         before = None
         if state.error_feedback:
@@ -123,7 +123,7 @@ class _PowerSGD(CommHook):
             off += m.shape[0] * r
 
         def compute_qs(_: Any) -> torch.futures.Future:
-            _wire.keep(payload, qmem)  # read here, on this callback's stream
+            _streams.keep(payload, qmem)  # read here, on this callback's stream
             o = 0
             for g in plain:
                 g.copy_(payload[o : o + g.numel()].view_as(g))
@@ -132,10 +132,11 @@ class _PowerSGD(CommHook):
                 _orthogonalize(p.unsqueeze(0), state.eps)
             for (m, _r), p, q in zip(mats, ps, qs):
                 torch.matmul(m.t(), p, out=q)
-            return _wire.after(_wire.all_reduce_mean(qmem, link, state.traffic), decompress, buf)
+            fut = _collectives.all_reduce_mean(qmem, link, state.traffic)
+            return _futures.after(fut, decompress, buf)
 
         def decompress(_: Any) -> torch.Tensor:
-            _wire.keep(payload, qmem, *([before] if before is not None else []))
+            _streams.keep(payload, qmem, *([before] if before is not None else []))
             for (m, _r), p, q in zip(mats, ps, qs):
                 torch.matmul(p, q.t(), out=m)
             if before is not None:
@@ -144,8 +145,8 @@ class _PowerSGD(CommHook):
                 state.q[idx] = qmem
             return buf
 
-        fut = _wire.all_reduce_mean(payload, link, state.traffic)
-        return _wire.after(fut, compute_qs, buf, chain=True)
+        fut = _collectives.all_reduce_mean(payload, link, state.traffic)
+        return _futures.after(fut, compute_qs, buf, chain=True)
 
 
 def powersgd(

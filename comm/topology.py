@@ -8,38 +8,16 @@ called by every rank in the same order, so each is made for every node, not only
 
 from __future__ import annotations
 
-import os
-import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ._wire import Link, gloo_timeout
+from ._collectives import Link
+from .env import gloo_timeout, local_world_size, node_key
 
 __all__ = ["Topology", "topology"]
-
-
-def _env_int(environ: Mapping[str, str], name: str, minimum: int) -> int | None:
-    raw = environ.get(name, "").strip()
-    if not raw:
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        value = minimum - 1
-    if value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {raw!r}")
-    return value
-
-
-def node_key(environ: Mapping[str, str] | None = None) -> str:
-    """This rank's node identity: ``GROUP_RANK`` when torchrun set it, else the hostname."""
-    environ = os.environ if environ is None else environ
-    _env_int(environ, "LOCAL_WORLD_SIZE", 1)  # validated here so a bad value fails early
-    group_rank = _env_int(environ, "GROUP_RANK", 0)
-    return f"group:{group_rank}" if group_rank is not None else f"host:{socket.gethostname()}"
 
 
 class Topology:
@@ -123,8 +101,8 @@ _KEY_BYTES = 512  # a hostname is at most 253 bytes
 def _gather_keys(key: str) -> list[str]:
     """Every rank's ``key``, in rank order (a collective).
 
-    Not ``all_gather_object``: it pickles through numpy, which torch does not require (a fresh
-    ``pip install aiak`` has no numpy, and topology detection failed there).
+    Not ``all_gather_object``: it pickles through numpy, which torch does not require, so an
+    install without numpy could not detect the topology.
     """
     data = key.encode()
     if not data or len(data) > _KEY_BYTES or b"\0" in data:
@@ -154,7 +132,7 @@ def topology() -> Topology:
     key = id(world)
     if key not in _CACHE:
         keys = _gather_keys(node_key())
-        lws = _env_int(os.environ, "LOCAL_WORLD_SIZE", 1) if "GROUP_RANK" in os.environ else None
+        lws = local_world_size()
         _CACHE.clear()  # a new default group: groups of the old one are gone
         _CACHE[key] = Topology(keys, dist.get_rank(), lws)
     return _CACHE[key]

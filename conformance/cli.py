@@ -26,7 +26,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="aiak-conformance",
         description="Numerical conformance of aiak's ops, optimizers, hooks and amp modes "
-        "against reference PyTorch (tolerance policy: ARCHITECTURE.md).",
+        "against reference PyTorch (tolerance policy: docs/conformance.md).",
     )
     p.add_argument(
         "--device",

@@ -7,7 +7,7 @@ the truth (float64 where it matters; it runs first and must not mutate the input
 ``candidate`` runs the thing under test (it may mutate them), and ``baseline``
 (optional) is what a user would run with stock PyTorch, timed beside the candidate by
 ``--bench``. Outputs are dicts of tensors; the harness compares each one under the tolerance
-policy of ARCHITECTURE.md:
+policy (docs/conformance.md):
 
     relative L2 error ||out - ref|| / ||ref|| against the float64 reference:
     fp32 <= 1e-5 (pure elementwise <= 1e-6), tf32 <= 5e-4, fp16 <= 5e-3, bf16 <= 2e-2,
@@ -17,13 +17,13 @@ Outputs named in ``Case.exact`` (flags, indices, counts) must match exactly.
 
 ``peer`` (optional) is stock PyTorch computing the same thing in the spec's own dtype. For fp16
 and bf16 specs each output's bound is then max(policy, ``PEER_FACTOR`` x the peer's own error
-against the reference) (flash-attn's rule, CONVENTIONS.md): after several optimizer steps a
+against the reference) (flash-attn's rule, docs/conformance.md): after several optimizer steps a
 tensor whose values cancel to near zero has a half-precision error no fixed bound covers, and
 no implementation in that dtype does better than its arithmetic allows. ``floor`` (optional)
 gives the same kind of per-output bound from the case's own rounding model, for fp16/bf16 specs
 too: one peer error is a single sample, and a one-element output after ten half-precision steps
-can land 2-4% off the truth where torch's happened to land 0.5% off (optim.sgd failed ~1 README
-run in 5 that way).
+can land 2-4% off the truth where torch's lands 0.5% off (without ``floor``, optim.sgd fails
+about one run in 5 that way).
 
 Cases register themselves with :func:`register` when their module in
 ``aiak.conformance.cases`` is imported; :func:`all_cases` imports every module there.
@@ -56,7 +56,7 @@ __all__ = [
     "tolerance",
 ]
 
-# Relative L2 error bounds against a float64 reference (ARCHITECTURE.md, "Numerical conformance").
+# Relative L2 error bounds against a float64 reference (docs/conformance.md, "Tolerance policy").
 TOLERANCE: Mapping[str, float] = {
     "float32": 1e-5,
     "float32-elementwise": 1e-6,

@@ -53,7 +53,8 @@ def draw(
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Standard normal values (never zeros: they hide unwritten outputs), made on the CPU
-    generator for small sizes (reproducible from the seed) and on the device for large ones."""
+    generator for small sizes (reproducible from the run's ``--seed``) and on the device for
+    large ones."""
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     n = math.prod(shape)
     if n <= 1 << 22 or torch.device(device).type == "cpu":

@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 2 examples/amp_o2.py  # the same under DDP
 
 Data is synthetic CIFAR-shaped images whose labels come from a fixed random teacher, so the
-loss visibly falls. ``aiak.amp.install()`` provides the seed's spelling
+loss visibly falls. ``aiak.amp.install()`` provides AIAK-Training's spelling
 ``torch.cuda.amp.aiak_amp_decorate``; everything else is the stock torch AMP loop.
 """
 
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> float:
         f"cuda:{rank % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
     )
     dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
-    aiak.amp.install()  # the seed's torch.cuda.amp.aiak_amp_* spellings, O2-aware GradScaler
+    aiak.amp.install()  # AIAK-Training's torch.cuda.amp.aiak_amp_* spellings, O2-aware GradScaler
 
     torch.manual_seed(0)  # the same initial model on every rank
     model = resnet_small(args.width).to(device)

@@ -1,6 +1,6 @@
 """Conformance cases for aiak.optim: k-step parity (k = 10) with torch Adam/AdamW/SGD for every
 option combination and dtype over two param groups; LAMB/FusedLAMB/LARS against float64
-implementations of the reference math (../shared/REFERENCE.md, aiak.optim.lars); GradScaler
+implementations of the reference math (apex FusedLAMB's update, aiak.optim.lars); GradScaler
 with an injected inf (the step is skipped: params and state unchanged, step count included).
 
 The float64 references live here (``lamb_reference``, ``lars_reference``) and the tests use
@@ -45,7 +45,7 @@ def lamb_reference(
     max_grad_norm: float = 1.0,
     use_nvlamb: bool = False,
 ) -> list[torch.Tensor]:
-    """REFERENCE.md's LAMB in float64, one tensor at a time; the params after ``steps``."""
+    """apex FusedLAMB's LAMB update in float64, one tensor at a time; the params after ``steps``."""
     b1, b2 = betas
     ps = [p.detach().double().cpu().clone() for p in params]
     ms = [torch.zeros_like(p) for p in ps]
@@ -157,8 +157,9 @@ def _rounding_floor(
     Each of the K steps stores a param or state tensor in the spec's dtype, off by up to half
     an ulp of its size then; so after K steps it may be K x eps/2 of the largest size it had
     off the float64 truth (bf16: 3.9%, fp16: 0.5%, the policy's bound). Against its final
-    size that is large where values cancelled towards zero: a one-element param of optim.sgd
-    ended 2-10% off in bf16 and failed ~1 README run in 5; with this floor, 0 of 100 seeds.
+    size that is large where values cancel towards zero: a one-element param of optim.sgd
+    can end 2-10% off in bf16 (about one run in 5 without this floor, none in 100 seeds with
+    it).
     The trajectory is torch's optimizer (``make(inputs)``) in float64.
     """
 
@@ -367,7 +368,7 @@ for _name, _cls in (("optim.fused_lamb", FusedLAMB), ("optim.lamb", LAMB)):
                 _run(lambda g: c(g, **inputs["spec"].params["opts"]), inputs)
             ),
             reference=_lamb_reference,
-            description=f"{_cls.__name__} vs a float64 LAMB (REFERENCE.md), 10 steps, 2 groups",
+            description=f"{_cls.__name__} vs a float64 LAMB (apex math), 10 steps, 2 groups",
         )
     )
 

@@ -56,7 +56,7 @@ def worker(rank: int, store: str, out_dir: str) -> None:
 def train_ddp(
     model: nn.Module, x: torch.Tensor, y: torch.Tensor, mode: str, ddp_kwargs: dict
 ) -> list[torch.Tensor]:
-    """Decorate, then wrap in DDP, then train: the order the seed prescribes."""
+    """Decorate, then wrap in DDP, then train: the order AIAK-Training prescribes."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     amp.decorate(model, opt, dtype=torch.float16 if mode == "fp16" else torch.bfloat16)
     ddp = nn.parallel.DistributedDataParallel(model, **ddp_kwargs)

@@ -1,4 +1,5 @@
-"""Small models, data and the seed's training loop, shared by the amp tests (and DDP workers)."""
+"""Small models, data and AIAK-Training's documented training loop, shared by the amp tests
+(and DDP workers)."""
 
 from __future__ import annotations
 
@@ -58,7 +59,8 @@ def seed_step(
     clip: float | None = 1.0,
     loss_hook: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> float:
-    """One iteration of the seed's loop on CPU (GradScaler optional, as with bf16)."""
+    """One iteration of AIAK-Training's documented loop on CPU (GradScaler optional, as with
+    bf16)."""
     optimizer.zero_grad()
     with torch.autocast("cpu", dtype=dtype):
         loss = F.cross_entropy(model(x), y)

@@ -29,7 +29,7 @@ def test_amp_conformance_cases_pass_on_cpu(seed: int) -> None:
 
 def test_amp_conformance_catches_lost_updates(monkeypatch: pytest.MonkeyPatch) -> None:
     # Masters update but the half model never receives them: the loss curve stays flat.
-    monkeypatch.setattr("aiak.amp._decorate.AmpState.copy_masters_to_model", lambda self: None)
+    monkeypatch.setattr("aiak.amp._amp_state.AmpState.copy_masters_to_model", lambda self: None)
     spec = next(s for s in amp_cases._specs(torch.device("cpu")) if s.label == "mlp-bfloat16")
     inputs = amp_cases._make_inputs(spec, torch.device("cpu"), torch.Generator().manual_seed(0))
     ref = amp_cases._reference(inputs)

@@ -1,4 +1,4 @@
-"""O2 under DDP over 2 gloo processes: decorate, then DDP, then the seed's loop.
+"""O2 under DDP over 2 gloo processes: decorate, then DDP, then AIAK-Training's documented loop.
 
 The masters must be updated from DDP's *averaged* grads (amp copies them after DDP's allreduce
 callback): both ranks then hold bit-identical masters, equal within fp16/bf16 rounding of the

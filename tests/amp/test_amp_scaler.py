@@ -65,7 +65,7 @@ def test_policy_from_decorate_arguments() -> None:
     assert LossScalePolicy.o2("dynamic", 1.0, 2.0**10).init_scale == 2.0**10  # min(2^16, max)
     static = LossScalePolicy.o2(128)
     assert static.static and static.init_scale == 128.0
-    with pytest.raises(ValueError, match="growth_interval must be an int"):
+    with pytest.raises(ValueError, match="growth_interval must be in 1"):
         LossScalePolicy(growth_interval=0)
     with pytest.raises(ValueError, match="backoff_factor"):
         LossScalePolicy(backoff_factor=2.0)

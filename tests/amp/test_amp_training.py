@@ -1,4 +1,5 @@
-"""O2 training on CPU: the seed's loop in its variants, against fp32 training of the same model.
+"""O2 training on CPU: AIAK-Training's documented loop in its variants, against fp32 training
+of the same model.
 
 Tolerances (measured here: fp16 0.03%, bf16 0.08% worst relative loss gap over 100 steps):
 fp16 <= 0.5% and bf16 <= 1% of the fp32 loss at every step; the loss must also halve, so a run

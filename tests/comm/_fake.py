@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from aiak.comm import _wire
+from aiak.comm import _collectives
 
 
 class CountingGroup(torch.distributed.ProcessGroup):
@@ -60,8 +60,8 @@ class IndexedBucket:
 def ready(hook, group: CountingGroup, coalesce: int = 1):
     state = hook.state
     state.coalesce = coalesce
-    state._link = _wire.Link(group, (0, 1), inter=False)
+    state._link = _collectives.Link(group, (0, 1), inter=False)
     state._link._avg = False  # gloo's path: divide, then SUM
-    state._batch = _wire.Batch() if coalesce > 1 else None
+    state._batch = _collectives.Batch() if coalesce > 1 else None
     state._ready = True
     return state

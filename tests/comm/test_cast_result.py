@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from aiak import comm
-from aiak.comm import _wire
+from aiak.comm import _buckets, _futures
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _fake import CountingGroup, IndexedBucket, ready
@@ -51,13 +51,13 @@ def test_inner_cast_decodes_into_its_buffer() -> None:
     state = ready(hook, group)
     bucket = IndexedBucket(0, 1, 40)
     expect = bucket.buf.half().float()
-    sub = _wire.SubBucket(bucket.buffer(), None, bucket, step=0)
+    sub = _buckets.SubBucket(bucket.buffer(), None, bucket, step=0)
     assert sub.wire_ok is False
-    out = _wire.real(hook.reduce(state, sub, state._link)).wait()
+    out = _futures.real(hook.reduce(state, sub, state._link)).wait()
     assert out.data_ptr() == bucket.buf.data_ptr() and torch.equal(out, expect)
     # nor does a SubBucket inherit the flag from its parent
     sub.wire_ok = True
-    assert _wire.rebase(sub, bucket.buf.clone()).wire_ok is False
+    assert _buckets.rebase(sub, bucket.buf.clone()).wire_ok is False
 
 
 _ONE_RANK_DDP = """

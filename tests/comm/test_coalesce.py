@@ -84,7 +84,7 @@ def test_coalesce_must_be_a_positive_int(value) -> None:
 
 def test_coalesce_from_env_and_through_pickling() -> None:
     hook = comm.from_env({"AIAK_COALESCE_BUCKETS": "3"})
-    assert type(hook).__name__ == "_Allreduce" and hook.state.coalesce == 3
+    assert type(hook).__name__ == "Allreduce" and hook.state.coalesce == 3
     assert comm.from_env({"AIAK_FP16_COMPRESSION": "1"}).state.coalesce == 1
     with pytest.raises(ValueError, match="AIAK_COALESCE_BUCKETS"):
         comm.parse_env({"AIAK_COALESCE_BUCKETS": "0"})

@@ -12,8 +12,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from aiak import comm
-from aiak.comm import _wire
-from aiak.comm.topology import Topology, node_key
+from aiak.comm import _buckets, _collectives
+from aiak.comm import cast as comm_cast
+from aiak.comm.env import node_key
+from aiak.comm.topology import Topology
 
 # ------------------------------------------------------------------------------------------
 # environment variables
@@ -277,7 +279,7 @@ def test_shard_views_cover_each_shard_exactly_and_keep_rows(shapes, g):
     padded = torch.cat([bucket.buf, torch.full((shard_len * g - n,), -1.0)])
     for k in range(g):
         shard = padded[k * shard_len : (k + 1) * shard_len].clone()
-        sub = _wire.shard_views(bucket, k * shard_len, shard)
+        sub = _buckets.shard_views(bucket, k * shard_len, shard)
         covered = torch.zeros(shard_len, dtype=torch.int)
         for v in sub.gradients():
             assert v.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr()
@@ -303,12 +305,12 @@ def test_shard_views_cover_each_shard_exactly_and_keep_rows(shapes, g):
 def test_state_tree_pickles_without_groups():
     hook = comm.nan_check(comm.hierarchical(outer=comm.fp16_compress(scale=10)))
     hook.state.process_group = object()  # stands for a ProcessGroup, which cannot be pickled
-    hook.state.traffic.add(_wire.Link(None, (0, 1), inter=True), 123)
+    hook.state.traffic.add(_collectives.Link(None, (0, 1), inter=True), 123)
     loaded = pickle.loads(pickle.dumps(hook.state))
     assert loaded.process_group is None and loaded._ready is False
     assert loaded.inner.outer.scale == 10 and loaded.inner.outer.dtype == torch.float16
     assert loaded.bytes_sent()["inter"] == 123
-    loaded.traffic.add(_wire.Link(None, (0, 1), inter=False), 5)  # the lock came back
+    loaded.traffic.add(_collectives.Link(None, (0, 1), inter=False), 5)  # the lock came back
     assert loaded.bytes_sent()["intra"] == 5
 
 
@@ -335,10 +337,8 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cast_encode_decode_compute_in_fp32(device: str, dtype: torch.dtype) -> None:
-    from aiak.comm import hooks
-
     scale = 1024.0  # a power of two: x*scale and w/scale are exact in fp32, so equality holds
-    hook = hooks._cast_hook("t", dtype, None, scale)
+    hook = comm_cast.cast_hook("t", dtype, None, scale)
     state = hook.state
     t = torch.randn(100_003, device=device) * 1e-6
     wire = hook.encode(state, t, t.numel() + 5)
@@ -356,9 +356,7 @@ def test_cast_encode_decode_compute_in_fp32(device: str, dtype: torch.dtype) -> 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_cast_scale_one_is_a_plain_cast(device: str) -> None:
-    from aiak.comm import hooks
-
-    hook = hooks._cast_hook("t", torch.float16, None, 1.0)
+    hook = comm_cast.cast_hook("t", torch.float16, None, 1.0)
     t = torch.randn(7, 5, device=device)
     wire = hook.encode(hook.state, t, 40)
     assert torch.equal(wire[:35], t.reshape(-1).half()) and not wire[35:].any()
@@ -369,9 +367,7 @@ def test_cast_scale_one_is_a_plain_cast(device: str) -> None:
 @pytest.mark.cuda
 def test_cuda_cast_is_one_kernel_each_way() -> None:
     # The host cost per bucket is on DDP's critical path: one launch per direction.
-    from aiak.comm import hooks
-
-    hook = hooks._cast_hook("t", torch.float16, None, 10.0)
+    hook = comm_cast.cast_hook("t", torch.float16, None, 10.0)
     t = torch.randn(1 << 20, device="cuda")
     out = torch.empty_like(t)
     hook.decode_(hook.state, hook.encode(hook.state, t, t.numel()), out)  # warm, factor made
@@ -466,12 +462,10 @@ def test_trees_that_wait_on_the_host_are_the_ones_offloaded_by_default(make, syn
 
 def test_a_cast_state_loaded_from_a_checkpoint_decodes() -> None:
     # Run-time fields come back as None after unpickling; the cast's cached 1/scale factor
-    # must be rebuilt, not read from None (a restored fp16 hook failed its first bucket).
+    # must be rebuilt, not read from None (else a restored fp16 hook fails its first bucket).
     import pickle
 
-    from aiak.comm import hooks
-
-    hook = hooks._cast_hook("t", torch.float16, None, 8.0)
+    hook = comm_cast.cast_hook("t", torch.float16, None, 8.0)
     t = torch.randn(33)
     hook.decode_(hook.state, hook.encode(hook.state, t, 33), torch.empty(33))  # factor cached
     state = pickle.loads(pickle.dumps(hook.state))
@@ -480,7 +474,8 @@ def test_a_cast_state_loaded_from_a_checkpoint_decodes() -> None:
 
 
 def test_topology_needs_no_numpy() -> None:
-    # torch does not require numpy; all_gather_object does (a fresh `pip install` failed).
+    # torch does not require numpy; all_gather_object does: without numpy the topology must
+    # still be found.
     code = (
         "import sys; sys.modules['numpy'] = None\n"
         "import socket, torch.distributed as dist\n"
