@@ -19,14 +19,24 @@ import torch
 
 from aiak.ops import _cuda
 from aiak.ops._capability import CAPABILITIES, Capability
-from aiak.ops.cast import cast_scale_
-from aiak.ops.multi_tensor import multi_tensor_l2norm, multi_tensor_scale_
+from aiak.ops._fused import Bound, bind
+from aiak.ops.cast_scale import cast_scale_
+from aiak.ops.fused_adam import fused_adam_
+from aiak.ops.fused_lamb import fused_lamb_
+from aiak.ops.fused_sgd import fused_sgd_
+from aiak.ops.multi_tensor_l2norm import multi_tensor_l2norm
+from aiak.ops.multi_tensor_scale import multi_tensor_scale_
 
 __all__ = [
     "CAPABILITIES",
+    "Bound",
     "Capability",
     "backends",
+    "bind",
     "cast_scale_",
+    "fused_adam_",
+    "fused_lamb_",
+    "fused_sgd_",
     "multi_tensor_l2norm",
     "multi_tensor_scale_",
 ]
@@ -69,7 +79,3 @@ def backends() -> dict[str, Any]:
         ops[name] = cap.backend if not reasons else "reference: " + "; ".join(reasons)
     info["ops"] = ops
     return info
-
-
-# Registers aiak::fused_adam_ / fused_sgd_ / fused_lamb_ (aiak.optim calls them when present).
-from aiak.ops import fused_optim  # noqa: E402, F401

@@ -3,7 +3,7 @@
 One run says whether the kernels are right: parity with torch's CUDA fused Adam/AdamW/SGD for
 every option and dtype, LAMB/LARS against float64, odd sizes around the 65,536-element chunk,
 unaligned views, mixed dtypes in one launch, GradScaler skip without host sync, CUDA graph
-capture, amp copy-back, state_dict round trips, the foreach fallback on CUDA.
+capture, amp copy-back, state_dict round trips, the ops' reference on CUDA.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from _optim_helpers import clones, lamb_reference, lars_reference, make_params, rel_l2
 
 import aiak.ops
-import aiak.optim._common as C
+from aiak.ops import _capability as _cap
 from aiak.optim import LAMB, LARS, FusedAdam, FusedAdamW, FusedLAMB, FusedSGD
 
 pytestmark = pytest.mark.cuda
@@ -175,7 +175,7 @@ def test_lars_matches_float64(exclude_1d) -> None:
     ],
 )
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_kernel_matches_foreach_path_on_cuda(dtype, make, monkeypatch) -> None:
+def test_kernel_matches_the_ops_reference_on_cuda(dtype, make, monkeypatch) -> None:
     ps = _params(dtype, seed=5)
     a, b = clones(ps), clones(ps)
     oa, ob = make(a), make(b)
@@ -185,8 +185,9 @@ def test_kernel_matches_foreach_path_on_cuda(dtype, make, monkeypatch) -> None:
         for p, q, x in zip(a, b, grads):
             p.grad, q.grad = x.clone(), x.clone()
         oa.step()
-        with monkeypatch.context() as m:
-            m.setattr(C, "FORCE_FOREACH", True)
+        with monkeypatch.context() as m, pytest.warns(RuntimeWarning, match="reference"):
+            m.setenv("AIAK_DISABLE_KERNELS", "1")  # the op's reference, on CUDA tensors
+            _cap.clear_warnings()
             ob.step()
     assert rel_l2(a, b) <= (1e-5 if dtype == torch.float32 else torch.finfo(dtype).eps)
 
@@ -200,9 +201,10 @@ def test_kernel_matches_foreach_path_on_cuda(dtype, make, monkeypatch) -> None:
         lambda p: LARS(p, lr=0.1),
     ],
 )
-@pytest.mark.parametrize("foreach", [False, True])
-def test_grad_scaler_skip_on_device_without_host_sync(make, foreach, monkeypatch) -> None:
-    monkeypatch.setattr(C, "FORCE_FOREACH", foreach)
+@pytest.mark.parametrize("reference", [False, True])
+def test_grad_scaler_skip_on_device_without_host_sync(make, reference, monkeypatch) -> None:
+    if reference:  # the op's reference on CUDA tensors: also no host sync
+        monkeypatch.setenv("AIAK_DISABLE_KERNELS", "1")
     ps = clones(_params(torch.float32, seed=7))
     opt = make(ps)
     scaler = torch.amp.GradScaler("cuda", init_scale=1024.0)

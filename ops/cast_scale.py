@@ -22,7 +22,7 @@ from aiak.ops._registry import define
 
 __all__ = ["cast_scale_"]
 
-CAST = declare(Capability("cast_scale_"))
+CAP = declare(Capability("cast_scale_"))
 _SOURCE = "cast_scale.cu"
 _CODE = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 _BLOCK = 512  # __launch_bounds__(512) in the source
@@ -70,7 +70,7 @@ def _reference(dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
 def _cast_cuda(dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
     _check(dst, src, scale)
     n = dst.numel()
-    if not use_kernel(CAST, dst.device, (src.dtype, dst.dtype)):
+    if not use_kernel(CAP, dst.device, (src.dtype, dst.dtype)):
         _reference(dst, src, scale)
         return
     if n == 0:
