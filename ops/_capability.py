@@ -75,9 +75,19 @@ def clear_warnings() -> None:
 
 
 def use_kernel(cap: Capability, device: torch.device, dtypes: Iterable[torch.dtype]) -> bool:
-    """True when the CUDA kernel can run; otherwise warn once (per reason set) and say False."""
+    """True when the CUDA kernel can run; otherwise warn once (per reason set) and say False.
+
+    A "yes" for (op, device, dtypes) is remembered (CuPy and the device do not change within a
+    process); ``AIAK_DISABLE_KERNELS`` is read on every call, so it can be switched any time.
+    """
+    if type(dtypes) is not tuple and type(dtypes) is not frozenset:
+        dtypes = frozenset(dtypes)
+    key = (cap.name, device, dtypes)
+    if key in _usable and not _cuda.kernels_disabled():
+        return True
     reasons = cap.not_supported_reasons(device, dtypes)
     if not reasons:
+        _usable.add(key)
         return True
     key = (cap.name, tuple(reasons))
     with _warn_lock:
@@ -90,6 +100,9 @@ def use_kernel(cap: Capability, device: torch.device, dtypes: Iterable[torch.dty
             stacklevel=3,
         )
     return False
+
+
+_usable: set[tuple] = set()
 
 
 # --------------------------------------------------------------------------------------------

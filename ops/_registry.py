@@ -146,7 +146,10 @@ def _bumping_versions(kernel: Callable[..., Any], written: tuple[int, ...]) -> C
 def increment_version(value: torch.Tensor | list[torch.Tensor]) -> None:
     """Bump the version counter of a tensor or of every tensor of a list (one C++ call)."""
     try:
-        torch.autograd.graph.increment_version(value)
+        _increment([value] if isinstance(value, torch.Tensor) else value)
     except TypeError:  # torch releases whose increment_version takes a single tensor
         for t in [value] if isinstance(value, torch.Tensor) else value:
             torch.autograd.graph.increment_version(t)
+
+
+_increment = getattr(torch._C, "_increment_version", torch.autograd.graph.increment_version)
