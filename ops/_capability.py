@@ -197,6 +197,18 @@ def check_hyper(op: str, **values: object) -> None:
             raise ValueError(f"{op}: {name} must be >= 0 and finite, got {value}")
 
 
+def same_layouts(lists: Sequence[Sequence[torch.Tensor]]) -> bool:
+    """Every non-empty tensor of every list laid out like list 0's (the kernels walk all lists'
+    memory in one order). One C-level pass per list in the usual case."""
+    first = tuple(map(torch.Tensor.stride, lists[0]))
+    for ts in lists[1:]:
+        if tuple(map(torch.Tensor.stride, ts)) != first and not all(
+            t.numel() == 0 or same_layout(p, t) for p, t in zip(lists[0], ts)
+        ):
+            return False
+    return True
+
+
 def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same shape, and the same memory order: strides agree wherever a dimension has size > 1."""
     if a.shape != b.shape:
@@ -222,13 +234,14 @@ def check_aligned_lists(
     scalars: dict[str, torch.Tensor | None],
     dtypes: tuple[torch.dtype, ...] = REFERENCE_DTYPES,
 ) -> torch.device | None:
-    """Lists aligned with ``params``: ``same`` ones have each param's shape, strides and dtype
-    (``updates``: fp32); ``copy_to`` is empty or one tensor per param (an empty one meaning
+    """Lists aligned with ``params``: ``same`` ones have each param's shape and dtype
+    (``updates``: fp32; strides may differ: the kernels take matching layouts, the references
+    any); ``copy_to`` is empty or one tensor per param (an empty one meaning
     "none"); ``state_steps`` one-element fp32 tensors; ``scalars`` one-element fp32 tensors or
     None. All on one device, which is returned (None for no params)."""
     device = check_tensor_list(op, "params", params, dtypes)
     n = len(params)
-    shapes, strides, pdtypes = _layouts(params)
+    shapes, _, pdtypes = _layouts(params)
     for name, ts in same.items():
         d = check_tensor_list(op, name, ts, dtypes)
         if len(ts) != n:
@@ -236,7 +249,7 @@ def check_aligned_lists(
         if n and d != device:
             raise ValueError(f"{op}: {name} is on {d} but params are on {device}")
         want = (torch.float32,) * n if name == "updates" else pdtypes
-        if _layouts(ts) != (shapes, strides, want):
+        if (tuple(map(_shape, ts)), tuple(map(_dtype, ts))) != (shapes, want):
             _explain_mismatch(op, name, params, ts)
     if copy_to:
         d = check_tensor_list(op, "copy_to", copy_to, dtypes)
@@ -245,10 +258,8 @@ def check_aligned_lists(
         if d != device:
             raise ValueError(f"{op}: copy_to is on {d} but params are on {device}")
         for i, (p, t) in enumerate(zip(params, copy_to)):
-            if t.numel() and not same_layout(p, t):
-                raise ValueError(
-                    f"{op}: copy_to[{i}] must be empty or match params[{i}] in shape and strides"
-                )
+            if t.numel() and t.shape != p.shape:
+                raise ValueError(f"{op}: copy_to[{i}] must be empty or match params[{i}] in shape")
     if state_steps is not None:
         if not isinstance(state_steps, (list, tuple)) or len(state_steps) != n:
             got = len(state_steps) if isinstance(state_steps, (list, tuple)) else "no"
@@ -268,10 +279,9 @@ def _explain_mismatch(
 ) -> None:
     """Raise naming the first tensor of ``ts`` unlike its param."""
     for i, (p, t) in enumerate(zip(params, ts)):
-        if not same_layout(p, t):
+        if t.shape != p.shape:
             raise ValueError(
-                f"{op}: {name}[{i}] (shape {tuple(t.shape)}, strides {t.stride()}) must match "
-                f"params[{i}] (shape {tuple(p.shape)}, strides {p.stride()})"
+                f"{op}: {name}[{i}] has shape {tuple(t.shape)} but params[{i}] has {tuple(p.shape)}"
             )
         want = torch.float32 if name == "updates" else p.dtype
         if t.dtype != want:

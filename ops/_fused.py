@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from aiak.ops import _cuda, _mta
-from aiak.ops._capability import Capability, is_dense, use_kernel
+from aiak.ops._capability import Capability, is_dense, same_layouts, use_kernel
 from aiak.ops._registry import Op, increment_version
 
 _DEFINES = _cuda.defines("optim_common.cuh")
@@ -134,6 +134,8 @@ def kernel_table(k: Kernel, a: Any) -> _mta.Table | None:
         return None
     if not (all(map(_is_contiguous, a.params)) or all(map(is_dense, a.params))):
         return None  # the kernel walks memory linearly: a strided view takes the reference
+    if not same_layouts([ts for ts in lists if ts is not getattr(a, "state_steps", None)]):
+        return None  # lists laid out unlike the params: the reference takes any strides
     with _cuda.on_device(device):
         return _mta.table(lists, device, k.cap.name)
 
