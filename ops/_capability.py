@@ -281,7 +281,8 @@ def _explain_mismatch(
     for i, (p, t) in enumerate(zip(params, ts)):
         if t.shape != p.shape:
             raise ValueError(
-                f"{op}: {name}[{i}] (shape {tuple(t.shape)}) must match params[{i}] (shape {tuple(p.shape)})"
+                f"{op}: {name}[{i}] (shape {tuple(t.shape)}) must match params[{i}] "
+                f"(shape {tuple(p.shape)})"
             )
         want = torch.float32 if name == "updates" else p.dtype
         if t.dtype != want:
