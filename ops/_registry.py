@@ -61,9 +61,14 @@ class Op:
         first = args[0] if args else None
         if isinstance(first, (list, tuple)):
             first = first[0] if first else None
+        if type(first) not in _PLAIN:
+            if isinstance(first, torch.Tensor) or torch.compiler.is_compiling():
+                return None  # a tensor subclass (fake, functional...): the dispatcher's job
+            # Not a tensor at all (or empty lists): the reference's checks name the argument,
+            # where the dispatcher would raise a RuntimeError about C++ types.
+            return self.reference if _current_dispatch_mode() is None else None
         if (
-            type(first) not in _PLAIN
-            or (self.differentiable and torch.is_grad_enabled())
+            (self.differentiable and torch.is_grad_enabled())
             or torch.compiler.is_compiling()
             or _current_dispatch_mode() is not None
         ):
