@@ -5,8 +5,8 @@ small fp32 values above fp16's underflow before the cast (Perseus's gradient sca
 ``1/scale`` on the way back does not round the narrow value twice. aiak.comm's fp16/bf16
 compression uses it for both directions of every bucket: one launch each way, no tables, no
 host synchronisation. torch has no single op for it: ``torch.mul(half, fp32_tensor, out=f32)``
-computes in fp32 but takes TensorIterator's broadcasting path (measured ~33% of copy bandwidth
-on 2 x H200 for a 64 MB bucket, benchmarks/results/comm_nccl_notes.md).
+computes in fp32 but takes TensorIterator's broadcasting path, a fraction of copy bandwidth
+(benchmarks/results/comm_nccl_notes.md).
 
 Read top-down: checks, the PyTorch reference (the default kernel on every device), the CUDA
 launcher, the op declaration.
@@ -99,7 +99,7 @@ def _cast_cuda(dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
     np = _cuda.numpy()
     with _cuda.on_device(dst.device):
         fn = _cuda.get_function(_SOURCE, _NAMES[src.dtype, dst.dtype])
-        # A grid-stride loop: 4 blocks of 512 per SM fill an H100/H200 SM (2048 threads).
+        # A grid-stride loop: 4 blocks of 512 per SM fill an SM that holds 2048 threads.
         steps = -(-n // (_BLOCK * _PER_THREAD))
         blocks = max(1, min(steps, 4 * _cuda.num_sms(torch.cuda.current_device())))
         args = (np.uint64(src.data_ptr()), np.uint64(dst.data_ptr()), np.float32(scale))

@@ -1,4 +1,4 @@
-"""aiak.optim's CUDA kernels (run on the GPU machine: ``pytest -m cuda tests/optim``).
+"""aiak.optim's CUDA kernels (``pytest -m cuda tests/optim``).
 
 One run says whether the kernels are right: parity with torch's CUDA fused Adam/AdamW/SGD for
 every option and dtype, LAMB/LARS against float64, odd sizes around the 65,536-element chunk,
@@ -47,8 +47,8 @@ def _drive(pairs, steps, seed=1, grad_dtype=None):
 def _close(a, b, dtype):
     # fp32: the same math as torch's kernel up to its fp64 intermediates (a few ulp after 10
     # steps), element by element. fp16/bf16: within one rounding step in relative L2; single
-    # elements may differ by a few ulp where exp_avg_sq is an fp16 subnormal (measured on H100:
-    # 15 of 65,535 elements, 6 ulp at most, after 10 Adam steps).
+    # elements may differ by a few ulp where exp_avg_sq is an fp16 subnormal (a handful of
+    # elements per 65,535, a few ulp each, after 10 Adam steps).
     if dtype == torch.float32:
         assert rel_l2(a, b) <= 1e-6
         for x, y in zip(a, b):
