@@ -29,7 +29,13 @@ from typing import Any
 import torch
 
 from aiak.ops import _cuda, _mta
-from aiak.ops._capability import Capability, is_dense, same_layouts, use_kernel
+from aiak.ops._capability import (
+    Capability,
+    check_scalar_tensor,
+    is_dense,
+    same_layouts,
+    use_kernel,
+)
 from aiak.ops._registry import Op, increment_version
 
 _DEFINES = _cuda.defines("optim_common.cuh")
@@ -156,6 +162,18 @@ def cuda_impl(k: Kernel, fields: type) -> Callable[..., None]:
             k.launch(a, tab)
 
     return kernel
+
+
+def check_scalar_tensors(op: str, a: Any, **tensors: torch.Tensor | None) -> None:
+    """One-element fp32 tensors (or None) on the params' device: the kernels read them through
+    their addresses, so a CPU tensor here would be a host pointer on the device."""
+    first = a.params[0] if isinstance(a.params, (list, tuple)) and a.params else None
+    if not isinstance(first, torch.Tensor):
+        return  # no device to compare with; the list checks name any culprit
+    device = first.device
+    for name, t in tensors.items():
+        if t is not None:
+            check_scalar_tensor(op, name, t, device, torch.float32)
 
 
 def positional(fn: Callable[[Any], object], fields: type) -> Callable[..., None]:

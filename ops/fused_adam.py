@@ -37,6 +37,9 @@ def _check_scalars(a: Args) -> None:
     check_hyper(
         "fused_adam_", lr=a.lr, beta1=a.beta1, beta2=a.beta2, eps=a.eps, weight_decay=a.weight_decay
     )
+    _fused.check_scalar_tensors(
+        "fused_adam_", a, lr_tensor=a.lr_tensor, grad_scale=a.grad_scale, found_inf=a.found_inf
+    )
 
 
 def _check(a: Args) -> torch.device | None:

@@ -43,6 +43,14 @@ def _check_scalars(a: Args) -> None:
         raise TypeError(f"{op}: max_grad_norm must be a float")
     if a.max_grad_norm != a.max_grad_norm:
         raise ValueError(f"{op}: max_grad_norm is NaN")
+    _fused.check_scalar_tensors(
+        op,
+        a,
+        grad_norm=a.grad_norm,
+        lr_tensor=a.lr_tensor,
+        grad_scale=a.grad_scale,
+        found_inf=a.found_inf,
+    )
 
 
 def _check(a: Args) -> torch.device | None:

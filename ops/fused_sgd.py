@@ -35,6 +35,9 @@ def _check_scalars(a: Args) -> None:
     )
     if a.nesterov and (a.momentum <= 0 or a.dampening != 0):
         raise ValueError(f"{op}: nesterov needs momentum > 0 and dampening 0")
+    _fused.check_scalar_tensors(
+        op, a, lr_tensor=a.lr_tensor, grad_scale=a.grad_scale, found_inf=a.found_inf
+    )
     if a.scales is not None:
         n = len(a.params)
         if not isinstance(a.scales, torch.Tensor) or a.scales.dtype != torch.float32:
