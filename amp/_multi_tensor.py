@@ -1,28 +1,25 @@
-"""amp's two bulk copies, each one multi-tensor launch per (device, dtypes) group.
+"""amp's two bulk copies, each one multi-tensor call per device.
 
-``aiak::multi_tensor_scale_`` when ``aiak.ops`` is importable (one CUDA launch over every
-tensor, copy + scale + non-finite check in one pass), else ``torch._foreach_*``. Nothing here
-synchronises the host.
+The scaled copy (``scale_``: copy + scale + non-finite check) is ``aiak::multi_tensor_scale_``,
+called through its eager fast path (``aiak.ops.multi_tensor_scale``): one CUDA launch over every
+tensor, the op's reference elsewhere; amp keeps no maths of its own. The plain copies
+(``copy_``: grads in, masters back) are ``torch._foreach_copy_`` (backend ``"foreach"``), or the
+op with a scale of 1 (backend ``"aiak"``). Nothing here synchronises the host.
 
-Host cost is what matters here: on the H100 machine the host pays ~1-2 µs per Python-level
-per-tensor operation, and every step copies 161 (ResNet-50) to ~170 (Swin-T) tensors twice.
-:class:`Plan` does the per-tensor work (grouping, layout checks) once for a fixed list of
-pairs, so a step costs a few C-level passes and one launch; :func:`scale_` / :func:`copy_`
+Host cost is what matters here: every step copies 161 (ResNet-50) to ~170 (Swin-T) tensors
+twice. :class:`Plan` does the per-tensor work (grouping, layout checks) once for a fixed list
+of pairs, so a step costs a few C-level passes and one launch; :func:`scale_` / :func:`copy_`
 are the one-shot forms.
 """
 
 from __future__ import annotations
 
-import contextlib
-import operator
 from collections import defaultdict
 from collections.abc import Sequence
 
 import torch
 
-# The one sibling amp may touch, and only through torch.ops (docs/architecture.md, rule 1).
-with contextlib.suppress(ImportError):
-    import aiak.ops  # noqa: F401  (registers torch.ops.aiak.*)
+from aiak.ops.multi_tensor_scale import SCALE_OP
 
 __all__ = ["BACKENDS", "Plan", "copy_", "default_backend", "scale_", "unit_scalars"]
 
@@ -30,8 +27,8 @@ BACKENDS = ("aiak", "foreach")
 
 
 def default_backend() -> str:
-    """``"aiak"`` when ``torch.ops.aiak.multi_tensor_scale_`` is registered, else ``"foreach"``."""
-    return "aiak" if hasattr(torch.ops.aiak, "multi_tensor_scale_") else "foreach"
+    """``"aiak"``: the op (always there: amp builds on aiak.ops)."""
+    return "aiak"
 
 
 def scale_(
@@ -46,7 +43,7 @@ def scale_(
     ``scale`` and ``found_inf`` are one-element fp32 tensors on the tensors' device (for several
     devices: on the first one; copies are made per device without synchronising). Each pair has
     one shape and the same memory layout (contiguous, or channels_last on both). ``src[i]`` may
-    be ``dst[i]``. Both backends give the same bits: the fp32 product rounded once.
+    be ``dst[i]``. Either backend runs the op: the fp32 product rounded once.
     """
     Plan(src, dst, backend).scale_(scale, found_inf)
 
@@ -101,9 +98,9 @@ class Plan:
     foreach kernels), and for the aiak op replaces each pair that is dense, non-contiguous and
     of one layout on both sides (channels_last conv weights and their grads) by 1-D aliases of
     the same memory. The op caches its validated device table only for contiguous sets and
-    re-validates any other set tensor by tensor on every call (~5-10 µs per pair on the H100
-    host, 53 pairs in a channels_last ResNet-50); with the aliases it hits the cache. Elementwise
-    over memory is the same elementwise operation when both sides share strides.
+    re-validates any other set tensor by tensor on every call (several µs per pair, 53 pairs in
+    a channels_last ResNet-50); with the aliases it hits the cache. Elementwise over memory is
+    the same elementwise operation when both sides share strides.
 
     A plan holds the tensors: it stays right while they keep their storage. :meth:`valid` says
     whether the aliased ones still do (``t.data = ...`` / ``set_`` would move them); tensors
@@ -177,20 +174,7 @@ class Plan:
             dev_scale = scale if scale.device == device else scale.to(device, non_blocking=True)
             same = found_inf.device == device
             flag = found_inf if same else torch.zeros_like(found_inf, device=device)
-            if self.backend == "aiak":
-                torch.ops.aiak.multi_tensor_scale_(s_list, d_list, dev_scale, flag)
-            elif d_list[0].dtype in (torch.float32, s_list[0].dtype):
-                # dst holds every src value exactly: copy, then the kernel GradScaler.unscale_
-                # uses (checks the values, multiplies in fp32, rounds once), as the op does.
-                if any(map(operator.is_not, s_list, d_list)):
-                    torch._foreach_copy_(d_list, s_list)
-                torch._amp_foreach_non_finite_check_and_unscale_(d_list, flag, dev_scale)
-            else:
-                # A narrowing cast: scale in fp32 first so the product is rounded once, as the
-                # op does. amp itself never scales into a narrower dtype (its copy-back is copy_).
-                tmp = [s.to(torch.float32, copy=True) for s in s_list]  # never scale src itself
-                torch._amp_foreach_non_finite_check_and_unscale_(tmp, flag, dev_scale)
-                torch._foreach_copy_(d_list, tmp)
+            SCALE_OP(s_list, d_list, dev_scale, flag)
             if flag is not found_inf:
                 found_inf.add_(flag.to(found_inf.device, non_blocking=True)).clamp_(max=1.0)
 
@@ -201,7 +185,7 @@ class Plan:
                 torch._foreach_copy_(d_list, s_list)
             else:
                 one, scratch = unit_scalars(device)
-                torch.ops.aiak.multi_tensor_scale_(s_list, d_list, one, scratch)
+                SCALE_OP(s_list, d_list, one, scratch)
 
 
 def _groups(

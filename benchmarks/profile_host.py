@@ -18,7 +18,9 @@ import torch
 
 import aiak.ops
 from aiak.conformance.shapes import BERT_LARGE, RESNET50
-from aiak.ops import _capability, _cuda, _mta, multi_tensor
+from aiak.ops import _capability, _cuda, _mta
+from aiak.ops import multi_tensor_l2norm as l2
+from aiak.ops import multi_tensor_scale as sc
 
 
 def host_us(fn: Callable[[], Any], calls: int = 200) -> float:
@@ -44,25 +46,23 @@ def profile_set(name: str, shapes: list[tuple[int, ...]]) -> None:
     fp32 = (torch.float32, torch.float16, torch.bfloat16)
     stages = {
         "torch.ops.aiak.multi_tensor_l2norm": lambda: torch.ops.aiak.multi_tensor_l2norm(ts, True),
-        "  Op eager fast path (no_grad)": lambda: _no_grad(multi_tensor.L2NORM_OP, ts, True),
-        "  launcher without dispatcher": lambda: multi_tensor._l2norm_cuda(ts, True),
+        "  Op eager fast path (no_grad)": lambda: _no_grad(l2.L2NORM_OP, ts, True),
+        "  launcher without dispatcher": lambda: l2._l2norm_cuda(ts, True),
         "  check_tensor_list": lambda: _capability.check_tensor_list("x", "t", ts, fp32),
         "  _mta.table (hit)": lambda: _mta.table([ts], ts[0].device),
-        "  use_kernel": lambda: _capability.use_kernel(
-            multi_tensor.L2NORM, ts[0].device, {torch.float32}
-        ),
+        "  use_kernel": lambda: _capability.use_kernel(l2.CAP, ts[0].device, {torch.float32}),
         "  is_contiguous pass": lambda: all(map(torch.Tensor.is_contiguous, ts)),
         "  get_function + current_stream": lambda: (
-            _cuda.get_function("multi_tensor.cu", "mt_l2norm_partial"),
+            _cuda.get_function("multi_tensor_l2norm.cu", "mt_l2norm_partial"),
             _cuda.current_stream(),
         ),
         "torch._foreach_norm + stack": lambda: torch.stack(torch._foreach_norm(ts)),
         "torch.ops.aiak.multi_tensor_scale_": lambda: torch.ops.aiak.multi_tensor_scale_(
             ts, dst, s, found
         ),
-        "  Op eager fast path": lambda: multi_tensor.SCALE_OP(ts, dst, s, found),
-        "  launcher without dispatcher ": lambda: multi_tensor._scale_cuda(ts, dst, s, found),
-        "  _check_scale_args": lambda: multi_tensor._check_scale_args(ts, dst, s, found),
+        "  Op eager fast path": lambda: sc.SCALE_OP(ts, dst, s, found),
+        "  launcher without dispatcher ": lambda: sc._scale_cuda(ts, dst, s, found),
+        "  _check_scale_args": lambda: sc._check_scale_args(ts, dst, s, found),
         "torch._foreach_mul": lambda: torch._foreach_mul(ts, s),
     }
     print(f"== {name}: {len(ts)} tensors, host µs per call")

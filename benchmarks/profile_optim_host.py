@@ -1,27 +1,27 @@
-"""Host (CPU) µs per ``step()`` of aiak's optimizers on ResNet-50's 161 tensors, by stage.
+"""Host (CPU) µs per call of the CUDA path's Python, measured on the CPU with the launch stubbed.
 
     python benchmarks/profile_optim_host.py [--steps 50] [--profile] [--cuda]
 
-Not a speed claim: a diagnosis of the Python work around the kernel launches, the part of a
-step the GPU waits on when the host is slow (on the H100 machine ~1-2 µs per Python-level
-per-tensor operation; here, on a CPU-only box, less). The params are tiny (one element per
-tensor, ResNet-50's tensor count and ranks): host cost is per tensor, not per byte.
+Not a speed claim: a diagnosis of the Python around the kernel launches, the part of a step the
+GPU waits on when the host is slow. The params are tiny (one element per tensor, ResNet-50's
+161 tensors and ranks): host cost is per tensor, not per byte.
 
-Rows, per optimizer (FusedAdamW, FusedSGD momentum=0.9, LAMB weight_decay=0.01):
+How the CUDA path runs here without a GPU (:func:`stubbed_launches`): CPU tensors take the
+ops' CUDA kernels (``Op.eager_kernel``), the kernel is reported usable, device tables are
+built on the CPU, and ``_cuda.launch`` / ``get_function`` do nothing. Everything else is the
+code that runs on CUDA: the optimizer's plan checks, the bound step's address checks, the
+argument packing (numpy scalars), version counter bumps.
 
-- ``kernel path``: ``step()`` as it runs on CUDA, with the aiak ops replaced by no-ops
-  (``aiak.optim._common.use_ops`` forced on, ``op(name)`` returning a stub): everything the
-  optimizer does in Python around the launches, nothing of the launchers.
-- ``+ ops table key``: the same, with the stub also computing ``aiak.ops._mta.key`` over the
-  lists it is handed, the per-call lookup every CUDA launcher does (``_checked_table`` /
-  ``_validated_table``) before a cached launch: the ops-side host floor per call.
-- ``foreach (CPU)``: the real CPU step (torch._foreach ops on one-element tensors).
-- ``torch.ops dispatch of Tensor[161]``: what one list argument costs through the dispatcher
-  (an op called as ``torch.ops.aiak.x`` instead of its eager fast path).
+Rows:
 
-``--profile`` adds cProfile's top functions (by own time) of the kernel-path step. ``--cuda``
-runs the real step on CUDA instead of the stubs: wall µs per step back to back (max of host
-and GPU), and this process's CPU time per step (the host's share, launchers included).
+- per optimizer (FusedAdamW, FusedSGD momentum=0.9, LAMB): ``step()`` on the stubbed CUDA
+  path, and on the real CPU path (the ops' references, for scale);
+- ``cast_scale_`` (one 1-element tensor) through the stubbed CUDA path vs ``torch.mul(a, s,
+  out=b)`` on the CPU: the eager single-tensor launch's Python against a torch op call;
+- ``multi_tensor_l2norm`` of 161 tensors (stubbed), the unbound multi-tensor path.
+
+``--profile`` adds cProfile's top functions of the stubbed steps. ``--cuda`` runs the real
+steps on CUDA instead: wall µs per step back to back, and this process's CPU time per step.
 """
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
-import aiak.ops  # noqa: F401 - registers torch.ops.aiak.*
-import aiak.optim._common as C
+import aiak.ops
 from aiak.conformance.shapes import RESNET50
-from aiak.ops import _mta
+from aiak.ops import _capability, _cuda, _mta, _registry
 from aiak.optim import LAMB, FusedAdamW, FusedSGD
 
 OPTIMIZERS: dict[str, Callable[[list[torch.Tensor]], torch.optim.Optimizer]] = {
@@ -59,47 +59,93 @@ def tiny_params(device: str = "cpu") -> list[torch.Tensor]:
     return ps
 
 
-def _lists(args: tuple) -> list[list[torch.Tensor]]:
-    return [list(a) for a in args if isinstance(a, (list, tuple)) and a]
+class _Event:
+    def record(self, stream: Any = None) -> None:
+        pass
 
 
-def _stub(name: str, key: bool) -> Callable[..., Any]:
-    def kernel(*args: Any) -> Any:
-        if key:
-            _mta.key(name, _lists(args))
-        if name == "multi_tensor_l2norm":
-            n = len(args[0]) if args[1] else 0
-            return torch.zeros(()), torch.zeros(n)
-        return None
-
-    return kernel
+def _cpu_table(lists: Any, device: torch.device) -> _mta.Table:
+    _, numels, ptrs, dtypes = _mta.key("", lists)
+    codes = tuple(tuple(_mta.DTYPE_CODES[d] for d in ds) for ds in dtypes)
+    counts = [(m + _mta.CHUNK - 1) // _mta.CHUNK for m in numels[0]]
+    words = [w for p in ptrs for w in p] + [c for cs in codes for c in cs] + list(numels[0])
+    data = torch.tensor(words, dtype=torch.int64)
+    return _mta.Table(data, len(ptrs), len(numels[0]), sum(counts), _Event(), 0, frozenset())
 
 
 @contextlib.contextmanager
-def stubbed_kernels(key: bool) -> Iterator[None]:
-    """The CUDA path's Python on the CPU: ``use_ops`` on, every aiak op a no-op."""
-    saved = (C.use_ops, C.op, torch.ops.aiak.multi_tensor_l2norm)
-    C.use_ops = lambda device: True
-    C.op = lambda name: _stub(name, key)
-    # Code that calls torch.ops.aiak.multi_tensor_l2norm directly (through the dispatcher).
-    torch.ops.aiak.multi_tensor_l2norm = _stub("multi_tensor_l2norm", key)
+def stubbed_launches() -> Iterator[None]:
+    """The CUDA path's Python on CPU tensors, every launch a no-op (see the module doc)."""
+    mp = _Patch()
+    mp.set(_registry.Op, "eager_kernel", _cuda_on_cpu)
+    # The capability check as on CUDA (env variable, dtypes, CuPy, compute capability).
+    mp.set(_capability.Capability, "not_supported_reasons", _reasons_as_on_cuda)
+    mp.set(_cuda, "cupy_unavailable_reason", lambda: None)
+    mp.set(_cuda, "device_capability", lambda device: (9, 0))
+    mp.set(_cuda, "launch", lambda *a, **k: None)
+    mp.set(_cuda, "get_function", lambda *a, **k: None)
+    mp.set(_cuda, "num_sms", lambda device: 132)
+    mp.set(torch.cuda, "current_device", lambda: 0)
+    mp.set(_mta, "build", _cpu_table)
+    mp.set(_mta.Table, "wait", lambda self: None)
+    _mta.clear_cache()
     try:
         yield
     finally:
-        C.use_ops, C.op, torch.ops.aiak.multi_tensor_l2norm = saved
+        mp.undo()
+        _mta.clear_cache()
+
+
+_real_reasons = _capability.Capability.not_supported_reasons
+_CUDA0 = torch.device("cuda", 0)
+
+
+def _reasons_as_on_cuda(self: _capability.Capability, device: Any, dtypes: Any = ()) -> list:
+    return _real_reasons(self, _CUDA0, dtypes)
+
+
+def _cuda_on_cpu(self: _registry.Op, args: tuple) -> Any:
+    """``Op.eager_kernel`` as written, with CPU tensors taking the CUDA branch: the same
+    operations, no extra call frame."""
+    first = args[0] if args else None
+    if isinstance(first, (list, tuple)):
+        first = first[0] if first else None
+    if (
+        type(first) not in _PLAIN
+        or (self.differentiable and torch.is_grad_enabled())
+        or torch.compiler.is_compiling()
+        or _current_dispatch_mode() is not None
+    ):
+        return None
+    if not first.is_cuda:  # the branch CUDA tensors take
+        return self.cuda if self.cuda is not None else self.reference
+    return None
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+class _Patch:
+    def __init__(self) -> None:
+        self.saved: list[tuple[Any, str, Any]] = []
+
+    def set(self, obj: Any, name: str, value: Any) -> None:
+        self.saved.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
+
+    def undo(self) -> None:
+        for obj, name, value in reversed(self.saved):
+            setattr(obj, name, value)
 
 
 def host_us(fn: Callable[[], Any], steps: int, device: str = "cpu") -> float:
-    """Fastest of 30 runs of ``steps`` calls, µs per call. On the CPU: this process's CPU time
-    (``time.process_time``), and the minimum of many short runs: on a small shared box (2
-    cores, other jobs) the median of 5 long wall-clock runs of the same code varied 1.5-2x
-    between invocations; the minimum of 30 short ones varies ~10%. With ``--cuda``: wall
-    time, steps back to back."""
+    """Fastest of 30 runs of ``steps`` calls, µs per call: this process's CPU time on the CPU
+    (the minimum of many short runs varies ~10% on a small shared box), wall time on CUDA."""
     clock = time.perf_counter if device == "cuda" else time.process_time
     fn()
     runs = []
     gc.collect()
-    gc.disable()  # as timeit does: a collection inside one run is not the step's cost
+    gc.disable()  # as timeit does: a collection inside one run is not the call's cost
     for _ in range(30):
         if device == "cuda":
             torch.cuda.synchronize()
@@ -113,14 +159,21 @@ def host_us(fn: Callable[[], Any], steps: int, device: str = "cpu") -> float:
     return min(runs)
 
 
-def dispatch_us(steps: int) -> float:
-    """Host µs of a no-op custom op taking one Tensor[] of 161, called through torch.ops."""
-    lib = torch.library.Library("aiak_profile", "FRAGMENT")
-    lib.define("noop(Tensor[] ts) -> ()")
-    lib.impl("noop", lambda ts: None, "CompositeExplicitAutograd")
-    ts = tiny_params()
-    call = torch.ops.aiak_profile.noop
-    return host_us(lambda: call(ts), steps)
+def paired_us(f: Callable[[], Any], g: Callable[[], Any], calls: int) -> tuple[float, float]:
+    """Fastest of 30 interleaved runs of ``calls`` calls each of ``f`` and ``g``, µs per call
+    (CPU time): both see the same machine load, so their ratio holds on a busy box."""
+    f(), g()
+    best = [float("inf"), float("inf")]
+    gc.collect()
+    gc.disable()
+    for _ in range(30):
+        for k, fn in enumerate((f, g)):
+            t0 = time.process_time()
+            for _ in range(calls):
+                fn()
+            best[k] = min(best[k], (time.process_time() - t0) / calls * 1e6)
+    gc.enable()
+    return best[0], best[1]
 
 
 def top_functions(fn: Callable[[], Any], steps: int, lines: int = 14) -> str:
@@ -136,6 +189,32 @@ def top_functions(fn: Callable[[], Any], steps: int, lines: int = 14) -> str:
     return "\n".join(text[start : start + lines + 1])
 
 
+def rows_cpu(steps: int) -> list[tuple[str, str, float]]:
+    rows = []
+    for name, make in OPTIMIZERS.items():
+        with stubbed_launches():
+            opt = make(tiny_params())
+            rows.append((name, "step, CUDA path (launch stubbed)", host_us(opt.step, steps)))
+        opt = make(tiny_params())
+        rows.append((name, "step, CPU (the ops' references)", host_us(opt.step, steps)))
+    a, b = torch.ones(1), torch.empty(1)
+    half = torch.empty(1, dtype=torch.float16)
+    with stubbed_launches():
+        gs = [p.grad for p in tiny_params()]
+        with torch.no_grad():
+            us = host_us(lambda: aiak.ops.multi_tensor_l2norm(gs), steps)
+        rows.append(("multi_tensor_l2norm", "161 grads, CUDA path (stubbed)", us))
+        cast, mul = paired_us(
+            lambda: aiak.ops.cast_scale_(half, a, 2.0),
+            lambda: torch.mul(a, 2.0, out=b),
+            steps * 20,
+        )
+    rows.append(("cast_scale_", "CUDA path (launch stubbed)", cast))
+    rows.append(("torch.mul(a, s, out=b)", "CPU, 1 element", mul))
+    rows.append(("cast_scale_ / torch.mul", "ratio (interleaved runs)", cast / mul))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=50)
@@ -143,31 +222,39 @@ def main() -> None:
     ap.add_argument("--cuda", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    rows = []
-    for name, make in OPTIMIZERS.items():
-        if args.cuda:
+    if args.cuda:
+        rows = []
+        for name, make in OPTIMIZERS.items():
             opt = make(tiny_params("cuda"))
             rows.append((name, "CUDA, back to back (wall)", host_us(opt.step, args.steps, "cuda")))
             rows.append((name, "CUDA, host CPU time", host_us(opt.step, args.steps)))
-            continue
-        for label, key in (("kernel path", False), ("+ ops table key", True)):
-            with stubbed_kernels(key):
-                opt = make(tiny_params())
-                rows.append((name, label, host_us(opt.step, args.steps)))
-        opt = make(tiny_params())
-        rows.append((name, "foreach (CPU)", host_us(opt.step, args.steps)))
-    if not args.cuda:
-        rows.append(("-", "torch.ops dispatch of Tensor[161]", dispatch_us(args.steps)))
-    print(f"host µs per step, {len(RESNET50)} tensors, torch {torch.__version__}")
-    print(f"{'optimizer':20s} {'path':36s} {'µs/step':>9s}")
+        a, b = torch.ones(1, device="cuda"), torch.empty(1, device="cuda", dtype=torch.float16)
+        rows.append(
+            (
+                "cast_scale_",
+                "CUDA, host CPU time",
+                host_us(lambda: aiak.ops.cast_scale_(b, a, 2.0), args.steps * 20),
+            )
+        )
+        rows.append(
+            (
+                "torch.mul(a, s, out=b)",
+                "CUDA, host CPU time",
+                host_us(lambda: torch.mul(a, 2.0, out=b), args.steps * 20),
+            )
+        )
+    else:
+        rows = rows_cpu(args.steps)
+    print(f"host µs per call, {len(RESNET50)} tensors, torch {torch.__version__}")
+    print(f"{'what':24s} {'path':36s} {'µs':>9s}")
     for name, label, us in rows:
-        print(f"{name:20s} {label:36s} {us:9.1f}")
+        print(f"{name:24s} {label:36s} {us:9.1f}")
     if args.profile and not args.cuda:
         for name, make in OPTIMIZERS.items():
-            with stubbed_kernels(False):
+            with stubbed_launches():
                 opt = make(tiny_params())
                 opt.step()
-                print(f"\n== {name}, kernel path, cProfile top functions over 200 steps")
+                print(f"\n== {name}, CUDA path (launch stubbed), cProfile top functions")
                 print(top_functions(opt.step, 200))
 
 

@@ -1,14 +1,34 @@
-"""aiak.ops — the custom-op registry: ``torch.ops.aiak.*``.
+"""aiak.ops — the custom-op registry: ``torch.ops.aiak.*``, the foundation of aiak.
 
-Each op is declared once (``ops/_registry.py``: ``torch.library.define`` + ``impl``, which costs a
-quarter of ``custom_op``'s per-call host time); its default kernel is a plain-PyTorch
-reference that runs anywhere (CPU included) and is the ground truth of the conformance suite;
-a CUDA kernel (CUDA C++ compiled at run time by CuPy/NVRTC) is registered for ``cuda``; fake
-(meta) implementations make the ops traceable by ``torch.compile``. When a kernel cannot run
-(no CuPy, an unsupported dtype, ``AIAK_DISABLE_KERNELS=1``) the op warns once and runs the
-reference; :func:`backends` says which path each op takes here and why.
+One op, one name, four places: ``ops/<op>.py`` (schema, checks, the PyTorch reference, the CUDA
+launcher, the declaration), ``ops/kernels/<op>.cu``, ``tests/ops/test_<op>.py``,
+``benchmarks/bench_<op>.py``. Ops: ``fused_adam_``, ``fused_sgd_``, ``fused_lamb_``,
+``multi_tensor_l2norm``, ``multi_tensor_scale_``, ``cast_scale_``. Shared pieces, one module
+each: ``_registry`` (declaring an op, its eager fast path, argument records made from the
+schema), ``_capability`` (what a kernel supports, input checks), ``_cuda`` (the CuPy launch
+layer), ``_mta`` (multi-tensor device tables and the one host cache), ``_fused`` (what the
+fused optimizer ops share, and bound steps).
 
-Importing this package neither initialises CUDA nor imports cupy, numba or numpy.
+Each op has one math in two implementations: its reference (plain PyTorch; the CPU, float64
+and no-CuPy path, and the conformance ground truth) and its CUDA kernel. When a kernel cannot
+run (no CuPy, an unsupported dtype, ``AIAK_DISABLE_KERNELS=1``) the op warns once and runs the
+reference; :func:`backends` says which path each op takes here and why. Importing this package
+neither initialises CUDA nor imports cupy, numba or numpy.
+
+One optimizer step, from ``FusedAdamW.step`` to the kernel (5 hops):
+
+1. ``optim/_common.py`` ``FusedOptimizer.step``: ``_plans()`` gives each param group's cached
+   plan (params, state lists, copy-back targets, and the bound op) and its grads;
+2. ``optim/adam.py`` ``FusedAdam._step_group``: ``plan.bound(grads, lr, betas, ...)``;
+3. ``ops/_fused.py`` ``Bound.__call__``: if the grads' and params' addresses are those of the
+   last step, the scalars are checked and the kept device table is launched; otherwise the op's
+   ordinary path (``kernel_table``: the host cache of ``_mta``, or the full checks) runs first;
+4. ``ops/fused_adam.py`` ``_launch``: packs the arguments, ``_cuda.launch`` on torch's current
+   stream;
+5. ``ops/kernels/fused_adam.cu`` ``fused_adam`` (and ``bump_steps``): one block per chunk of
+   the table (layout in ``kernels/mta_common.cuh``).
+
+On the CPU, step 3 calls ``aiak.ops.fused_adam_``, which runs ``fused_adam._reference``.
 """
 
 from __future__ import annotations
@@ -19,17 +39,36 @@ import torch
 
 from aiak.ops import _cuda
 from aiak.ops._capability import CAPABILITIES, Capability
-from aiak.ops.cast import cast_scale_
-from aiak.ops.multi_tensor import multi_tensor_l2norm, multi_tensor_scale_
-from aiak.ops.window_attention import roll_window_partition, window_merge_roll  # noqa: F401
+from aiak.ops._fused import Bound, bind
+from aiak.ops.cast_scale import cast_scale_
+from aiak.ops.dgc_select import dgc_select
+from aiak.ops.fcos3d import fcos3d_targets
+from aiak.ops.fused_adam import fused_adam_
+from aiak.ops.fused_lamb import fused_lamb_
+from aiak.ops.fused_sgd import fused_sgd_
+from aiak.ops.multi_tensor_l2norm import multi_tensor_l2norm
+from aiak.ops.multi_tensor_scale import multi_tensor_scale_
+from aiak.ops.simota import simota_assign
+from aiak.ops.window_attention import roll_window_partition, window_attention, window_merge_roll
 
 __all__ = [
     "CAPABILITIES",
+    "Bound",
     "Capability",
     "backends",
+    "bind",
     "cast_scale_",
+    "dgc_select",
+    "fcos3d_targets",
+    "fused_adam_",
+    "fused_lamb_",
+    "fused_sgd_",
     "multi_tensor_l2norm",
     "multi_tensor_scale_",
+    "roll_window_partition",
+    "simota_assign",
+    "window_attention",
+    "window_merge_roll",
 ]
 
 
@@ -70,12 +109,3 @@ def backends() -> dict[str, Any]:
         ops[name] = cap.backend if not reasons else "reference: " + "; ".join(reasons)
     info["ops"] = ops
     return info
-
-
-# Registers aiak::fused_adam_ / fused_sgd_ / fused_lamb_ (aiak.optim calls them when present).
-from aiak.ops import dgc_select as _dgc_select  # noqa: E402, F401
-from aiak.ops import fused_optim  # noqa: E402, F401
-
-# Registers aiak::fcos3d_targets and aiak::simota_assign (detection label assignment).
-from aiak.ops.fcos3d import fcos3d_targets  # noqa: E402, F401
-from aiak.ops.simota import simota_assign  # noqa: E402, F401

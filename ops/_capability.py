@@ -9,6 +9,7 @@ Input errors (wrong types, mismatched lists, mixed devices) are not fallbacks: t
 from __future__ import annotations
 
 import dataclasses
+import operator
 import threading
 import warnings
 from collections.abc import Iterable, Sequence
@@ -18,6 +19,8 @@ import torch
 from aiak.ops import _cuda
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# What the references take: the kernels' dtypes and float64 (computed in float64).
+REFERENCE_DTYPES = (*FLOAT_DTYPES, torch.float64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,10 +68,26 @@ def declare(cap: Capability) -> Capability:
     return cap
 
 
+def clear_warnings() -> None:
+    """Forget which fallbacks have warned (tests)."""
+    with _warn_lock:
+        _warned.clear()
+
+
 def use_kernel(cap: Capability, device: torch.device, dtypes: Iterable[torch.dtype]) -> bool:
-    """True when the CUDA kernel can run; otherwise warn once (per reason set) and say False."""
+    """True when the CUDA kernel can run; otherwise warn once (per reason set) and say False.
+
+    A "yes" for (op, device, dtypes) is remembered (CuPy and the device do not change within a
+    process); ``AIAK_DISABLE_KERNELS`` is read on every call, so it can be switched any time.
+    """
+    if type(dtypes) is not tuple and type(dtypes) is not frozenset:
+        dtypes = frozenset(dtypes)
+    key = (cap.name, device, dtypes)
+    if key in _usable and not _cuda.kernels_disabled():
+        return True
     reasons = cap.not_supported_reasons(device, dtypes)
     if not reasons:
+        _usable.add(key)
         return True
     key = (cap.name, tuple(reasons))
     with _warn_lock:
@@ -81,6 +100,9 @@ def use_kernel(cap: Capability, device: torch.device, dtypes: Iterable[torch.dty
             stacklevel=3,
         )
     return False
+
+
+_usable: set[tuple] = set()
 
 
 # --------------------------------------------------------------------------------------------
@@ -160,3 +182,108 @@ def is_dense(t: torch.Tensor) -> bool:
             return False
         expected *= size
     return True
+
+
+def check_hyper(op: str, **values: object) -> None:
+    """Hyper-parameters: ``beta*`` in [0, 1), every other one a real number >= 0 (not NaN, not
+    a string, not a tensor: the kernels take them by value)."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{op}: {name} must be a float, got {type(value).__name__}")
+        if name.startswith("beta"):
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"{op}: {name} must be in [0, 1), got {value}")
+        elif not 0.0 <= value < float("inf"):  # also rejects NaN
+            raise ValueError(f"{op}: {name} must be >= 0 and finite, got {value}")
+
+
+def same_layouts(lists: Sequence[Sequence[torch.Tensor]]) -> bool:
+    """Every non-empty tensor of every list laid out like list 0's (the kernels walk all lists'
+    memory in one order). One C-level pass per list in the usual case."""
+    first = tuple(map(torch.Tensor.stride, lists[0]))
+    for ts in lists[1:]:
+        if tuple(map(torch.Tensor.stride, ts)) != first and not all(
+            t.numel() == 0 or same_layout(p, t) for p, t in zip(lists[0], ts)
+        ):
+            return False
+    return True
+
+
+def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape, and the same memory order: strides agree wherever a dimension has size > 1."""
+    if a.shape != b.shape:
+        return False
+    return all(sa == sb for sa, sb, n in zip(a.stride(), b.stride(), a.shape) if n > 1)
+
+
+def _layouts(ts: Sequence[torch.Tensor]) -> tuple:
+    # map over unbound methods: the cheapest per-tensor calls from Python.
+    return tuple(map(_shape, ts)), tuple(map(torch.Tensor.stride, ts)), tuple(map(_dtype, ts))
+
+
+_shape = operator.attrgetter("shape")
+_dtype = operator.attrgetter("dtype")
+
+
+def check_aligned_lists(
+    op: str,
+    params: Sequence[torch.Tensor],
+    same: dict[str, Sequence[torch.Tensor]],
+    copy_to: Sequence[torch.Tensor],
+    state_steps: Sequence[torch.Tensor] | None,
+    scalars: dict[str, torch.Tensor | None],
+    dtypes: tuple[torch.dtype, ...] = REFERENCE_DTYPES,
+) -> torch.device | None:
+    """Lists aligned with ``params``: ``same`` ones have each param's shape and dtype
+    (``updates``: fp32; strides may differ: the kernels take matching layouts, the references
+    any); ``copy_to`` is empty or one tensor per param (an empty one meaning
+    "none"); ``state_steps`` one-element fp32 tensors; ``scalars`` one-element fp32 tensors or
+    None. All on one device, which is returned (None for no params)."""
+    device = check_tensor_list(op, "params", params, dtypes)
+    n = len(params)
+    shapes, _, pdtypes = _layouts(params)
+    for name, ts in same.items():
+        d = check_tensor_list(op, name, ts, dtypes)
+        if len(ts) != n:
+            raise ValueError(f"{op}: {name} has {len(ts)} tensors but params has {n}")
+        if n and d != device:
+            raise ValueError(f"{op}: {name} is on {d} but params are on {device}")
+        want = (torch.float32,) * n if name == "updates" else pdtypes
+        if (tuple(map(_shape, ts)), tuple(map(_dtype, ts))) != (shapes, want):
+            _explain_mismatch(op, name, params, ts)
+    if copy_to:
+        d = check_tensor_list(op, "copy_to", copy_to, dtypes)
+        if len(copy_to) != n:
+            raise ValueError(f"{op}: copy_to has {len(copy_to)} tensors but params has {n}")
+        if d != device:
+            raise ValueError(f"{op}: copy_to is on {d} but params are on {device}")
+        for i, (p, t) in enumerate(zip(params, copy_to)):
+            if t.numel() and t.shape != p.shape:
+                raise ValueError(f"{op}: copy_to[{i}] must be empty or match params[{i}] in shape")
+    if state_steps is not None:
+        if not isinstance(state_steps, (list, tuple)) or len(state_steps) != n:
+            got = len(state_steps) if isinstance(state_steps, (list, tuple)) else "no"
+            raise ValueError(f"{op}: state_steps has {got} tensors but params has {n}")
+        d = check_tensor_list(op, "state_steps", state_steps, (torch.float32,))
+        if n and (d != device or set(map(torch.Tensor.numel, state_steps)) != {1}):
+            for i, s in enumerate(state_steps):
+                check_scalar_tensor(op, f"state_steps[{i}]", s, device, torch.float32)
+    for name, t in scalars.items():
+        if t is not None:
+            check_scalar_tensor(op, name, t, device, torch.float32)
+    return device
+
+
+def _explain_mismatch(
+    op: str, name: str, params: Sequence[torch.Tensor], ts: Sequence[torch.Tensor]
+) -> None:
+    """Raise naming the first tensor of ``ts`` unlike its param."""
+    for i, (p, t) in enumerate(zip(params, ts)):
+        if t.shape != p.shape:
+            raise ValueError(
+                f"{op}: {name}[{i}] (shape {tuple(t.shape)}) must match params[{i}] "
+                f"(shape {tuple(p.shape)})"
+            )
+        want = torch.float32 if name == "updates" else p.dtype
+        if t.dtype != want:
+            raise TypeError(f"{op}: {name}[{i}] is {t.dtype}, must be {want}")

@@ -36,11 +36,28 @@ _streams: dict[tuple[int, int], Any] = {}
 
 
 def kernels_disabled() -> bool:
-    """``AIAK_DISABLE_KERNELS=1`` makes every op run its PyTorch reference (for debugging)."""
+    """``AIAK_DISABLE_KERNELS=1`` makes every op run its PyTorch reference (for debugging).
+
+    Read on every kernel call, so it can be switched at any time; straight from the environ's
+    own mapping where the platform has one (``os.environ.get`` costs several Python frames).
+    """
+    value = _environ_get(_ENV_KEY, _ENV_DEFAULT)
+    if value == _ENV_DEFAULT:
+        return False
     value = os.environ.get("AIAK_DISABLE_KERNELS", "0")
     if value not in ("0", "1"):
         raise ValueError(f"AIAK_DISABLE_KERNELS must be 0 or 1, got {value!r}")
     return value == "1"
+
+
+_environ_data = getattr(os.environ, "_data", None)
+if isinstance(_environ_data, dict) and hasattr(os.environ, "encodekey"):
+    _environ_get = _environ_data.get
+    _ENV_KEY = os.environ.encodekey("AIAK_DISABLE_KERNELS")
+    _ENV_DEFAULT = os.environ.encodevalue("0")
+else:  # pragma: no cover - platforms without CPython's environ mapping
+    _environ_get = os.environ.get
+    _ENV_KEY, _ENV_DEFAULT = "AIAK_DISABLE_KERNELS", "0"
 
 
 @cache
@@ -91,6 +108,17 @@ def kernel_source(filename: str) -> str:
     return _LOCAL_INCLUDE.sub(inline, path.read_text())
 
 
+_DEFINE = re.compile(r"^#define\s+([A-Z_][A-Z0-9_]*)\s+(\d+)\b", re.MULTILINE)
+
+
+@cache
+def defines(filename: str) -> dict[str, int]:
+    """The integer ``#define NAME value`` lines of ``ops/kernels/<filename>``: constants the
+    host shares with a kernel (flag bits, block and chunk sizes) are written once, in the CUDA
+    source, and read from there."""
+    return {k: int(v) for k, v in _DEFINE.findall((KERNEL_DIR / filename).read_text())}
+
+
 def get_function(filename: str, name: str, options: tuple[str, ...] = DEFAULT_OPTIONS) -> Any:
     """The compiled kernel ``name`` of ``ops/kernels/<filename>`` for the current torch device.
 
@@ -116,16 +144,23 @@ def get_function(filename: str, name: str, options: tuple[str, ...] = DEFAULT_OP
     return fn
 
 
+def _raw_stream(device: int) -> int:
+    """torch's current stream on ``device`` as a pointer, without building a Stream object."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
+
+
 def current_stream() -> Any:
     """A ``cupy.cuda.ExternalStream`` for torch's current stream, cached per (device, stream).
 
-    Building an ExternalStream costs ~18 µs; cached, a launch costs ~6 µs like a torch op
-    (ARCHITECTURE.md, measured on H100).
+    Building an ExternalStream costs about three launches; cached, a launch costs about what a
+    torch op's does.
     """
-    ts = torch.cuda.current_stream()
-    key = (ts.device_index, ts.cuda_stream)
+    device = torch.cuda.current_device()
+    key = (device, _raw_stream(device))
     stream = _streams.get(key)
     if stream is None:
+        ts = torch.cuda.current_stream()
         with warnings.catch_warnings():
             # CuPy 14 deprecates ExternalStream in favour of Stream.from_external(obj) for
             # objects with __cuda_stream__, which torch 2.4 streams lack; the pointer form works
@@ -144,25 +179,35 @@ def launch(
     shared_mem: int = 0,
 ) -> None:
     """Launch ``fn`` on torch's current stream. ``args``: use :func:`ptr` for tensors."""
-    grid = grid if isinstance(grid, tuple) else (grid,)
-    block = block if isinstance(block, tuple) else (block,)
+    grid = grid if type(grid) is tuple else (grid,)
+    block = block if type(block) is tuple else (block,)
     fn(grid, block, args, shared_mem=shared_mem, stream=current_stream())
+
+
+def numpy() -> Any:
+    """numpy, imported on first use (``import aiak.ops`` stays free of it): kernel arguments
+    are numpy scalars. Callers on a hot path keep ``numpy().float32`` etc. at hand."""
+    global _np
+    if _np is None:
+        import numpy as np
+
+        _np = np
+    return _np
+
+
+_np: Any = None
 
 
 def ptr(t: torch.Tensor | None) -> Any:
     """A kernel pointer argument for ``t`` (null for None)."""
-    import numpy as np  # imported here: `import aiak.ops` stays free of numpy
-
-    return np.uint64(0 if t is None else t.data_ptr())
+    return (_np or numpy()).uint64(0 if t is None else t.data_ptr())
 
 
 def i32(value: int) -> Any:
     """A 32-bit int kernel argument."""
-    import numpy as np
-
     if not -(2**31) <= value < 2**31:
         raise ValueError(f"kernel argument {value} does not fit in 32 bits")
-    return np.int32(value)
+    return (_np or numpy()).int32(value)
 
 
 @cache

@@ -1,24 +1,33 @@
-"""Multi-tensor apply for CuPy kernels: device tables built once per tensor set, cached.
+"""Multi-tensor apply, and the one host cache of aiak's ops.
 
 apex and torch pack up to ~110 tensor addresses into each launch's 4 KB argument buffer and
 launch again for the rest. Here the addresses, sizes and chunk map of the whole set live in one
-small int64 device tensor instead (layout at the top of ``kernels/multi_tensor.cu``), so any
-number of tensors takes one launch with ``grid = number of chunks``. Parameter and gradient
-addresses are stable from step to step, so the table is built once (one H2D copy) and found
-again by the set's (pointers, sizes, dtypes).
+small int64 device tensor instead (layout at the top of ``kernels/mta_common.cuh``), so any
+number of tensors takes one launch with ``grid = number of chunks``.
+
+The host cache (the only one): ``_cache`` maps a key to the :class:`Table` of a tensor set an
+op has validated. Key: the op's name and, per list, the tensors' addresses, sizes and dtypes
+(:func:`key`; addresses fix the device). A hit therefore means "this op checked this exact set
+before": only sets whose tensors are all contiguous are cached, as the key cannot see strides.
+A bound optimizer step (``ops/_fused.py``) keeps the table it got from here and, per step,
+re-checks only what moves between steps (grad and param addresses, grad layouts) instead of
+computing the key.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import operator
 import threading
 from collections.abc import Sequence
 
 import torch
 
-CHUNK = 65536  # elements per block; must equal CHUNK in kernels/multi_tensor.cu
+from aiak.ops import _cuda
+
+CHUNK = _cuda.defines("mta_common.cuh")["CHUNK"]  # elements per block
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 CACHE_SIZE = 256  # tables kept per process (each a few KB)
 
@@ -33,6 +42,7 @@ class Table:
     num_chunks: int
     ready: torch.cuda.Event  # recorded after the upload, on `stream`
     stream: int
+    dtypes: frozenset = frozenset()
 
     def wait(self) -> None:
         """Order the current stream after the table's upload (only needed across streams).
@@ -75,6 +85,21 @@ def lookup(k: tuple) -> Table | None:
     return found
 
 
+def _all_contiguous(lists: Sequence[Sequence[torch.Tensor]]) -> bool:
+    return all(all(map(torch.Tensor.is_contiguous, ts)) for ts in lists)
+
+
+def cached(tag: str, lists: Sequence[Sequence[torch.Tensor]]) -> Table | None:
+    """The table of a set op ``tag`` has validated before, or None (validate, then
+    :func:`table`). Only contiguous sets are cached: the key does not see strides."""
+    try:
+        if not _all_contiguous(lists):
+            return None
+        return lookup(key(tag, lists))
+    except (TypeError, AttributeError):  # not tensors: the op's check names the culprit
+        return None
+
+
 def table(lists: Sequence[Sequence[torch.Tensor]], device: torch.device, tag: str = "") -> Table:
     """The device table for ``lists`` (aligned lists of dense tensors on ``device``), built
     and cached on first use.
@@ -86,22 +111,30 @@ def table(lists: Sequence[Sequence[torch.Tensor]], device: torch.device, tag: st
     found = lookup(k)
     if found is not None:
         return found
+    built = build(lists, device)
+    if _all_contiguous(lists):
+        with _lock:
+            _cache[k] = built
+            if len(_cache) > CACHE_SIZE:
+                _cache.popitem(last=False)
+    return built
+
+
+def build(lists: Sequence[Sequence[torch.Tensor]], device: torch.device) -> Table:
+    """A new table for ``lists`` (not cached)."""
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             "aiak multi-tensor op: this tensor set was first seen during CUDA graph capture, "
             "where its address table cannot be uploaded; run the op once before capturing"
         )
-    _, numels, ptrs, dtypes = k
+    _, numels, ptrs, dtypes = key("", lists)
     codes = tuple(tuple(DTYPE_CODES[d] for d in ds) for ds in dtypes)
-    built = _build(numels[0], ptrs, codes, device)
-    with _lock:
-        _cache[k] = built
-        if len(_cache) > CACHE_SIZE:
-            _cache.popitem(last=False)
-    return built
+    return _build(numels[0], ptrs, codes, device, frozenset(itertools.chain(*dtypes)))
 
 
-def _build(numels: tuple[int, ...], ptrs: tuple, codes: tuple, device: torch.device) -> Table:
+def _build(
+    numels: tuple[int, ...], ptrs: tuple, codes: tuple, device: torch.device, dtypes: frozenset
+) -> Table:
     depth, n = len(ptrs), len(numels)
     counts = [(m + CHUNK - 1) // CHUNK for m in numels]
     first = [0]
@@ -124,7 +157,7 @@ def _build(numels: tuple[int, ...], ptrs: tuple, codes: tuple, device: torch.dev
     stream = torch.cuda.current_stream(device)
     ready = torch.cuda.Event()
     ready.record(stream)
-    return Table(data, depth, n, first[-1], ready, stream.cuda_stream)
+    return Table(data, depth, n, first[-1], ready, stream.cuda_stream, dtypes)
 
 
 def clear_cache() -> None:

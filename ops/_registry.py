@@ -2,11 +2,9 @@
 
 Why ``torch.library.define`` + ``Library.impl`` and not ``torch.library.custom_op``: custom_op
 wraps every call in Python layers (autograd, in-place-or-view bookkeeping with one version bump
-per tensor, alias checks). Measured on 389 tensors with an empty kernel (CPU, torch 2.13):
-``multi_tensor_scale_`` 340 µs per call through custom_op, 87 µs through define/impl; on the
-H100 machine's host the custom_op layers cost ~530 µs of a 1306 µs call — more than the op's
-whole GPU time on a ResNet-50-sized set (80 µs). define/impl dispatches from C++ straight to
-the Python kernel. What custom_op did for us is kept: the reference is the default kernel on
+per tensor, alias checks) that cost about four times define/impl's host time per call on a list
+of a few hundred tensors (benchmarks/profile_host.py); define/impl dispatches from C++ straight
+to the Python kernel. What custom_op did for us is kept: the reference is the default kernel on
 every device (``CompositeExplicitAutograd``), ``register_fake`` for ``torch.compile``,
 ``register_autograd`` where an op has a gradient, ``opcheck`` passes, and version counters of
 the arguments a kernel writes (``Tensor(a!)`` in the schema) are bumped by one C++ call.
@@ -14,6 +12,7 @@ the arguments a kernel writes (``Tensor(a!)`` in the schema) are bumped by one C
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -28,41 +27,55 @@ LIB = torch.library.Library("aiak", "FRAGMENT")
 @dataclasses.dataclass(frozen=True)
 class Op:
     """A declared op: ``overload`` is ``torch.ops.aiak.<name>.default``; calling the Op itself
-    takes the eager fast path.
+    takes the eager fast path; ``Args`` is the op's argument record (a NamedTuple made from the
+    schema, field for field: the schema is the one place the arguments are written).
 
-    The fast path calls the CUDA kernel straight from Python when nothing needs the
-    dispatcher: plain (or Parameter) CUDA tensors, no ``torch.compile`` tracing, no
-    ``TorchDispatchMode`` (fake tensors, functionalization), and for a differentiable op no
-    grad mode. Going through ``torch.ops`` converts every tensor of every list to a C++ value
-    and back (~1.2 ms of host time for a 6-list optimizer step over 161 tensors on the H100
-    machine's host, four times the kernel's GPU time); everything else the dispatcher would
-    do here is done the same way (version counters of written tensors, one C++ call).
+    The fast path calls a kernel straight from Python when nothing needs the dispatcher: plain
+    (or Parameter) tensors, no ``torch.compile`` tracing, no ``TorchDispatchMode`` (fake tensors,
+    functionalization), and for a differentiable op no grad mode. Then CUDA tensors run ``cuda``
+    and others the reference, exactly the kernels the dispatcher would pick. Going through
+    ``torch.ops`` converts every tensor of every list to a C++ value and back (about four times a
+    ResNet-50-sized optimizer kernel's GPU time for a 6-list step over 161 tensors); everything
+    else the dispatcher would do here is done the same way (version counters of written tensors,
+    one C++ call).
     """
 
     overload: Any
     cuda: Callable[..., Any] | None
     written: tuple[int, ...]
     differentiable: bool
+    reference: Callable[..., Any] | None = None
+    Args: Any = None
 
     def __call__(self, *args: Any) -> Any:
-        if self.cuda is not None and self._eager_cuda(args):
-            out = self.cuda(*args)
-            for i in self.written:
-                increment_version(args[i])
-            return out
-        return self.overload(*args)
+        kernel = self.eager_kernel(args)
+        if kernel is None:
+            return self.overload(*args)
+        out = kernel(*args)
+        for i in self.written:
+            increment_version(args[i])
+        return out
 
-    def _eager_cuda(self, args: tuple) -> bool:
+    def eager_kernel(self, args: tuple) -> Callable[..., Any] | None:
+        """The kernel the fast path calls for ``args``, or None (then the dispatcher)."""
         first = args[0] if args else None
         if isinstance(first, (list, tuple)):
             first = first[0] if first else None
-        return (
-            type(first) in _PLAIN
-            and first.is_cuda
-            and not (self.differentiable and torch.is_grad_enabled())
-            and not torch.compiler.is_compiling()
-            and _current_dispatch_mode() is None
-        )
+        if type(first) not in _PLAIN:
+            if isinstance(first, torch.Tensor) or torch.compiler.is_compiling():
+                return None  # a tensor subclass (fake, functional...): the dispatcher's job
+            # Not a tensor at all (or empty lists): the reference's checks name the argument,
+            # where the dispatcher would raise a RuntimeError about C++ types.
+            return self.reference if _current_dispatch_mode() is None else None
+        if (
+            (self.differentiable and torch.is_grad_enabled())
+            or torch.compiler.is_compiling()
+            or _current_dispatch_mode() is not None
+        ):
+            return None
+        if first.is_cuda:
+            return self.cuda
+        return self.reference if first.device.type == "cpu" else None
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -92,7 +105,21 @@ def define(
         LIB.impl(name, _bumping_versions(cuda, written) if written else cuda, "CUDA")
     if fake is not None:
         torch.library.register_fake(qualname, fake, lib=LIB)
-    return Op(getattr(torch.ops.aiak, name).default, cuda, written, differentiable)
+    overload = getattr(torch.ops.aiak, name).default
+    return Op(overload, cuda, written, differentiable, reference, record(schema))
+
+
+@functools.cache
+def record(schema: str) -> Any:
+    """The argument record of ``schema``: a NamedTuple with one field per argument, in the
+    schema's order (the same class for the same schema, before and after :func:`define`)."""
+    name = schema.split("(", 1)[0]
+    names = [arg.name for arg in torch._C.parse_schema("aiak::" + schema).arguments]
+    return collections.namedtuple(_camel(name) + "Args", names)
+
+
+def _camel(name: str) -> str:
+    return "".join(part.capitalize() for part in name.split("_"))
 
 
 def _written_arguments(qualname: str) -> tuple[int, ...]:
@@ -124,7 +151,10 @@ def _bumping_versions(kernel: Callable[..., Any], written: tuple[int, ...]) -> C
 def increment_version(value: torch.Tensor | list[torch.Tensor]) -> None:
     """Bump the version counter of a tensor or of every tensor of a list (one C++ call)."""
     try:
-        torch.autograd.graph.increment_version(value)
+        _increment([value] if isinstance(value, torch.Tensor) else value)
     except TypeError:  # torch releases whose increment_version takes a single tensor
         for t in [value] if isinstance(value, torch.Tensor) else value:
             torch.autograd.graph.increment_version(t)
+
+
+_increment = getattr(torch._C, "_increment_version", torch.autograd.graph.increment_version)

@@ -7,11 +7,12 @@ on the param's device as in torch's fused Adam, ``exp_avg``, ``exp_avg_sq``,
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
+import aiak.ops
 from aiak.optim import _common as C
 
 __all__ = ["FusedAdam", "FusedAdamW"]
@@ -61,6 +62,7 @@ class FusedAdam(C.FusedOptimizer):
             owner, lr=group["lr"], eps=group["eps"], weight_decay=group["weight_decay"]
         )
         C.check_betas(owner, group["betas"])
+        C.check_flags(owner, group, "amsgrad", "maximize", "bias_correction", "adam_w_mode")
 
     def _upgrade_group(self, group: dict[str, Any]) -> None:
         # A torch Adam/AdamW state_dict says which one it is in `decoupled_weight_decay`.
@@ -90,40 +92,32 @@ class FusedAdam(C.FusedOptimizer):
             "state_steps": [s["step"] for s in states],
         }
 
+    def _bind(self, plan: C.Plan) -> aiak.ops.Bound:
+        s = plan.lists
+        rest = [s["exp_avgs"], s["exp_avg_sqs"], s["max_exp_avg_sqs"], s["state_steps"]]
+        conform = C.conformer(type(self).__name__, plan)
+        return aiak.ops.bind(aiak.ops.fused_adam_, plan.params, [*rest, plan.copy_to], conform)
+
     def _step_group(self, plan: C.Plan, grads: list[torch.Tensor]) -> None:
         group, device = plan.group, plan.device
         lr, lr_tensor = C.lr_args(group["lr"], device)
         grad_scale, found_inf = C.amp_args(self, device)
-        beta1, beta2 = (float(b) for b in group["betas"])
-        kw = {
-            "lr": lr,
-            "lr_tensor": lr_tensor,
-            "beta1": beta1,
-            "beta2": beta2,
-            "eps": float(group["eps"]),
-            "weight_decay": float(group["weight_decay"]),
-            "adam_w_mode": bool(group["adam_w_mode"]),
-            "amsgrad": bool(group["amsgrad"]),
-            "maximize": bool(group["maximize"]),
-            "bias_correction": bool(group["bias_correction"]),
-            "grad_scale": grad_scale,
-            "found_inf": found_inf,
-        }
-        kernel = plan.kernel_dtypes and C.use_ops(device)
-        s = plan.lists
-        lists = (
-            plan.params,
-            C.checked_grads(type(self).__name__, plan, grads, kernel),
-            s["exp_avgs"],
-            s["exp_avg_sqs"],
-            s["max_exp_avg_sqs"],
-            s["state_steps"],
-            plan.copy_to,
+        beta1, beta2 = group["betas"]
+        plan.bound(
+            grads,
+            lr,
+            lr_tensor,
+            float(beta1),
+            float(beta2),
+            float(group["eps"]),
+            float(group["weight_decay"]),
+            group["adam_w_mode"],
+            group["amsgrad"],
+            group["maximize"],
+            group["bias_correction"],
+            grad_scale,
+            found_inf,
         )
-        if kernel:
-            C.op("fused_adam_")(*lists, *kw.values())
-        else:
-            adam_foreach(*lists, **kw)
 
 
 class FusedAdamW(FusedAdam):
@@ -163,76 +157,3 @@ class FusedAdamW(FusedAdam):
             capturable=capturable,
             set_grad_none=True,
         )
-
-
-def adam_foreach(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
-    max_exp_avg_sqs: Sequence[torch.Tensor],
-    state_steps: Sequence[torch.Tensor],
-    copy_to: Sequence[torch.Tensor],
-    *,
-    lr: float,
-    lr_tensor: torch.Tensor | None,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    adam_w_mode: bool,
-    amsgrad: bool,
-    maximize: bool,
-    bias_correction: bool,
-    grad_scale: torch.Tensor | None,
-    found_inf: torch.Tensor | None,
-) -> None:
-    """``aiak::fused_adam_`` with torch._foreach ops, in torch's foreach Adam op order (for
-    fp32 params on CPU the result is torch's, bit for bit); fp16/bf16 are computed in fp32."""
-    mutated = [*params, *exp_avgs, *exp_avg_sqs, *max_exp_avg_sqs, *state_steps, *copy_to]
-    if grad_scale is not None:
-        mutated += grads
-
-    def update() -> None:
-        p, m, v, vmax = (C.upcast(ts) for ts in (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs))
-        g = C.upcast(grads)
-        if grad_scale is not None:
-            # Unscaled grads are written back, as torch's fused optimizers do.
-            g = torch._foreach_div(g, grad_scale.reshape(()))
-            torch._foreach_copy_(list(grads), g)
-        if maximize:
-            g = torch._foreach_neg(g)
-        rate = lr if lr_tensor is None else lr_tensor.reshape(())
-        if lr_tensor is not None and lr_tensor.device.type == "cpu":
-            rate = lr_tensor.item()  # a CPU tensor: no device to synchronise
-        torch._foreach_add_(state_steps, 1.0)
-        if weight_decay != 0:
-            if adam_w_mode:
-                torch._foreach_mul_(p, 1 - rate * weight_decay)
-            else:
-                g = torch._foreach_add(g, p, alpha=weight_decay)
-        torch._foreach_lerp_(m, g, 1 - beta1)
-        torch._foreach_mul_(v, beta2)
-        torch._foreach_addcmul_(v, g, g, 1 - beta2)
-        if bias_correction:
-            step_size = C.coefficients(state_steps, lambda s: (rate / (1 - beta1**s)) * -1)
-            bc2_sqrt = C.coefficients(state_steps, lambda s: (1 - beta2**s) ** 0.5)
-        else:
-            step_size, bc2_sqrt = [-rate] * len(p), None
-        if amsgrad:
-            torch._foreach_maximum_(vmax, v)
-        denom = torch._foreach_sqrt(vmax if amsgrad else v)
-        if bc2_sqrt is not None:
-            torch._foreach_div_(denom, bc2_sqrt)
-        torch._foreach_add_(denom, eps)
-        if isinstance(step_size[0], torch.Tensor):
-            upd = torch._foreach_div(m, denom)
-            torch._foreach_mul_(upd, step_size)
-            torch._foreach_add_(p, upd)
-        else:
-            torch._foreach_addcdiv_(p, m, denom, step_size)
-        for dst, work in ((params, p), (exp_avgs, m), (exp_avg_sqs, v), (max_exp_avg_sqs, vmax)):
-            C.store(dst, work)
-        C.copy_back(copy_to, params)
-
-    C.unless_found_inf(found_inf, mutated, update)

@@ -1,26 +1,18 @@
 """LAMB (You et al., ICLR 2020) with apex FusedLAMB's math: global-norm clipping, Adam moments,
 a per-tensor trust ratio. ``FusedLAMB`` has apex's signature and defaults, ``LAMB`` the
-seed's (AIAK-Training's ``torch.optim.LAMB``). The math, per step::
-
-    G = ||all grads of all groups||;  clip = G / max_grad_norm if G > max_grad_norm else 1
-        (max_grad_norm <= 0: no clipping)
-    g' = g / clip  (+ weight_decay * p when adam_w_mode is False: L2 mode)
-    m = b1 m + b3 g'  (b3 = 1 - b1 with grad_averaging, else 1);  v = b2 v + (1 - b2) g'^2
-    u = (m / bc1) / (sqrt(v / bc2) + eps)  (+ weight_decay * p in adam_w_mode)
-    ratio = lr ||p|| / ||u||  if (use_nvlamb or weight_decay != 0) and both norms > 0, else lr
-    p -= ratio u
-
-On CUDA: the global norm (``aiak::multi_tensor_l2norm``, all dtypes in one call), then
-``aiak::fused_lamb_`` per device: two passes, 44 bytes moved per fp32 param in all.
+seed's (AIAK-Training's ``torch.optim.LAMB``). The math is the op's (``aiak::fused_lamb_``,
+ops/fused_lamb.py); per step: the global grad norm over every group
+(``aiak::multi_tensor_l2norm``, all dtypes in one call), then ``fused_lamb_`` per group.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
+import aiak.ops
 from aiak.optim import _common as C
 
 __all__ = ["LAMB", "FusedLAMB"]
@@ -71,8 +63,10 @@ class FusedLAMB(C.FusedOptimizer):
             owner, lr=group["lr"], eps=group["eps"], weight_decay=group["weight_decay"]
         )
         C.check_betas(owner, group["betas"])
-        if float(group["max_grad_norm"]) != float(group["max_grad_norm"]):
+        if C.number(owner, "max_grad_norm", group["max_grad_norm"]) != group["max_grad_norm"]:
             raise ValueError(f"{owner}: max_grad_norm is NaN")
+        C.check_flags(owner, group, "bias_correction", "adam_w_mode", "grad_averaging")
+        C.check_flags(owner, group, "use_nvlamb")
 
     def _plan_lists(self, group: dict, params: list[torch.Tensor]) -> dict[str, list]:
         states = []
@@ -89,73 +83,53 @@ class FusedLAMB(C.FusedOptimizer):
             "state_steps": [s["step"] for s in states],
         }
 
+    def _bind(self, plan: C.Plan) -> aiak.ops.Bound:
+        s = plan.lists
+        rest = [s["exp_avgs"], s["exp_avg_sqs"], self._workspaces(plan), s["state_steps"]]
+        conform = C.conformer(type(self).__name__, plan)
+        return aiak.ops.bind(aiak.ops.fused_lamb_, plan.params, [*rest, plan.copy_to], conform)
+
     def _step(self, plans: list[tuple[C.Plan, list[torch.Tensor]]]) -> None:
         """One global grad norm over every group (apex's semantics), then the update per group.
 
-        Per step in Python: the grads read once (by ``_plans``), checked once, and reused for
-        the norm and the update; everything else comes from the plans. With one device the
-        norm op's total is the global norm as it is (no square/stack/sum/sqrt: four small
-        launches fewer); with several, per-device norms are combined as before.
+        With one device the norm op's total is the global norm as it is; with several,
+        per-device norms are combined on the first device.
         """
         if not plans:
             return
-        owner = type(self).__name__
-        steps = []
         by_device: dict[torch.device, list[torch.Tensor]] = {}
-        known: dict[torch.device, bool] = {}
         for plan, grads in plans:
-            kernel = plan.kernel_dtypes and C.use_ops(plan.device)
-            update_grads = C.checked_grads(owner, plan, grads, kernel)
-            steps.append((plan, update_grads, kernel))
-            # The norm takes the grads as they are; those that needed no copy have the
-            # params' (kernel) dtypes, others are checked by _norm.
-            ok = kernel and update_grads is grads
             found = by_device.get(plan.device)
             by_device[plan.device] = grads if found is None else found + grads
-            known[plan.device] = ok and known.get(plan.device, True)
-        norms = [_norm(grads, device, known[device]) for device, grads in by_device.items()]
+        norms = [aiak.ops.multi_tensor_l2norm(grads)[0] for grads in by_device.values()]
         if len(norms) == 1:
             total = norms[0]
         else:
             first = next(iter(by_device))
             sums = [(n**2).to(first, non_blocking=True) for n in norms]
             total = torch.stack(sums).sum().sqrt()
-        for plan, update_grads, kernel in steps:
-            self._step_group_with_norm(plan, update_grads, kernel, total)
-
-    def _step_group_with_norm(
-        self,
-        plan: C.Plan,
-        grads: list[torch.Tensor],
-        kernel: bool,
-        grad_norm: torch.Tensor,
-    ) -> None:
-        group, device, s = plan.group, plan.device, plan.lists
-        lr, lr_tensor = C.lr_args(group["lr"], device)
-        grad_scale, found_inf = C.amp_args(self, device)
-        beta1, beta2 = (float(b) for b in group["betas"])
-        lists = (plan.params, grads, s["exp_avgs"], s["exp_avg_sqs"])
-        tail = (s["state_steps"], plan.copy_to)
-        kw = {
-            "grad_norm": grad_norm.to(device, non_blocking=True).reshape(1),
-            "lr": lr,
-            "lr_tensor": lr_tensor,
-            "beta1": beta1,
-            "beta2": beta2,
-            "eps": float(group["eps"]),
-            "weight_decay": float(group["weight_decay"]),
-            "bias_correction": bool(group["bias_correction"]),
-            "grad_averaging": bool(group["grad_averaging"]),
-            "adam_w_mode": bool(group["adam_w_mode"]),
-            "use_nvlamb": bool(group["use_nvlamb"]),
-            "max_grad_norm": float(group["max_grad_norm"]),
-            "grad_scale": grad_scale,
-            "found_inf": found_inf,
-        }
-        if kernel:
-            C.op("fused_lamb_")(*lists, self._workspaces(plan), *tail, *kw.values())
-        else:
-            lamb_foreach(*lists, *tail, **kw)
+        for plan, grads in plans:
+            group, device = plan.group, plan.device
+            lr, lr_tensor = C.lr_args(group["lr"], device)
+            grad_scale, found_inf = C.amp_args(self, device)
+            beta1, beta2 = group["betas"]
+            plan.bound(
+                grads,
+                total if total.device == device else total.to(device, non_blocking=True),
+                lr,
+                lr_tensor,
+                float(beta1),
+                float(beta2),
+                float(group["eps"]),
+                float(group["weight_decay"]),
+                group["bias_correction"],
+                group["grad_averaging"],
+                group["adam_w_mode"],
+                group["use_nvlamb"],
+                float(group["max_grad_norm"]),
+                grad_scale,
+                found_inf,
+            )
 
     def _workspaces(self, plan: C.Plan) -> list[torch.Tensor]:
         """The plan's fp32 update workspaces, one per param: made once per param (kept in
@@ -209,83 +183,3 @@ class LAMB(FusedLAMB):
             max_grad_norm=max_grad_norm,
             use_nvlamb=use_nvlamb,
         )
-
-
-def _norm(
-    tensors: list[torch.Tensor], device: torch.device, kernel_dtypes: bool = False
-) -> torch.Tensor:
-    """The fp32 L2 norm of all ``tensors`` together, on the device. ``kernel_dtypes``: their
-    dtypes are known to be kernel dtypes (else they are checked). The op is called through its
-    eager fast path (``C.op``): through the dispatcher the 161-grad list alone cost ~37 µs per
-    step on the 2-core EPYC host."""
-    if C.use_ops(device) and (kernel_dtypes or C.kernel_dtypes(tensors)):
-        return C.op("multi_tensor_l2norm")(tensors, False)[0]
-    norms = torch._foreach_norm(list(tensors), 2, dtype=torch.float32)
-    return torch.linalg.vector_norm(torch.stack(norms))
-
-
-def lamb_foreach(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
-    state_steps: Sequence[torch.Tensor],
-    copy_to: Sequence[torch.Tensor],
-    *,
-    grad_norm: torch.Tensor,
-    lr: float,
-    lr_tensor: torch.Tensor | None,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    bias_correction: bool,
-    grad_averaging: bool,
-    adam_w_mode: bool,
-    use_nvlamb: bool,
-    max_grad_norm: float,
-    grad_scale: torch.Tensor | None,
-    found_inf: torch.Tensor | None,
-) -> None:
-    """``aiak::fused_lamb_`` with torch._foreach ops (fp32 arithmetic for fp16/bf16 params)."""
-    mutated = [*params, *exp_avgs, *exp_avg_sqs, *state_steps, *copy_to]
-
-    def update() -> None:
-        p, m, v = (C.upcast(ts) for ts in (params, exp_avgs, exp_avg_sqs))
-        scale = 1.0 if grad_scale is None else grad_scale.reshape(())
-        norm = grad_norm.reshape(()) / scale
-        clip = torch.ones_like(norm)
-        if max_grad_norm > 0:
-            clip = torch.where(norm > max_grad_norm, norm / max_grad_norm, clip)
-        g = torch._foreach_div(C.upcast(grads), clip * scale)
-        if not adam_w_mode and weight_decay != 0:
-            torch._foreach_add_(g, p, alpha=weight_decay)
-        torch._foreach_add_(state_steps, 1.0)
-        torch._foreach_mul_(m, beta1)
-        torch._foreach_add_(m, g, alpha=1 - beta1 if grad_averaging else 1.0)
-        torch._foreach_mul_(v, beta2)
-        torch._foreach_addcmul_(v, g, g, 1 - beta2)
-        if bias_correction:
-            bc1 = C.coefficients(state_steps, lambda s: 1 - beta1**s)
-            bc2 = C.coefficients(state_steps, lambda s: 1 - beta2**s)
-            u, denom = torch._foreach_div(m, bc1), torch._foreach_div(v, bc2)
-        else:
-            u, denom = torch._foreach_mul(m, 1.0), torch._foreach_mul(v, 1.0)
-        torch._foreach_sqrt_(denom)
-        torch._foreach_add_(denom, eps)
-        torch._foreach_div_(u, denom)
-        if adam_w_mode and weight_decay != 0:
-            torch._foreach_add_(u, p, alpha=weight_decay)
-        rate = lr if lr_tensor is None else lr_tensor.reshape(())
-        pn = torch.stack(torch._foreach_norm(p, 2, dtype=torch.float32))
-        un = torch.stack(torch._foreach_norm(u, 2, dtype=torch.float32))
-        ratio = torch.ones_like(pn) * rate
-        if use_nvlamb or weight_decay != 0:
-            ratio = torch.where((pn > 0) & (un > 0), rate * (pn / un), ratio)
-        torch._foreach_mul_(u, list(ratio.unbind()))
-        torch._foreach_sub_(p, u)
-        for dst, work in ((params, p), (exp_avgs, m), (exp_avg_sqs, v)):
-            C.store(dst, work)
-        C.copy_back(copy_to, params)
-
-    C.unless_found_inf(found_inf, mutated, update)

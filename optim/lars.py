@@ -9,8 +9,8 @@ Per tensor, with d = g + weight_decay * p::
 
 1-D tensors (biases, norm scales) are excluded from the adaptation by default
 (``exclude_1d=True``); weight decay still applies to them unless their group sets it to 0.
-The norms are taken on the device (``aiak::multi_tensor_l2norm`` when available) and the
-update is ``aiak::fused_sgd_`` with the ratios as per-tensor scales: no host synchronisation.
+The norms are taken on the device (``aiak::multi_tensor_l2norm``) and the update is
+``aiak::fused_sgd_`` with the ratios as per-tensor scales: no host synchronisation.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
+import aiak.ops
 from aiak.optim import _common as C
-from aiak.optim.sgd import sgd_plan_key, sgd_plan_lists, sgd_step
+from aiak.optim.sgd import sgd_bind, sgd_plan_key, sgd_plan_lists, sgd_step
 
 __all__ = ["LARS"]
 
@@ -59,6 +60,7 @@ class LARS(C.FusedOptimizer):
             trust_coefficient=group["trust_coefficient"],
             eps=group["eps"],
         )
+        C.check_flags(owner, group, "exclude_1d")
 
     def _plan_key(self, group: dict) -> Any:
         return sgd_plan_key(group)
@@ -66,17 +68,17 @@ class LARS(C.FusedOptimizer):
     def _plan_lists(self, group: dict, params: list[torch.Tensor]) -> dict[str, list]:
         return sgd_plan_lists(self, group, params)
 
+    def _bind(self, plan: C.Plan) -> aiak.ops.Bound | None:
+        return sgd_bind(self, plan)
+
     def _step_group(self, plan: C.Plan, grads: list[torch.Tensor]) -> None:
-        group, device, params = plan.group, plan.device, plan.params
-        grad_scale, _ = C.amp_args(self, device)
-        kernel = plan.kernel_dtypes and C.use_ops(device)
-        update_grads = C.checked_grads(type(self).__name__, plan, grads, kernel)
-        # The norms are of the grads as they are (not of a copy in the param's dtype);
-        # grads that needed no copy have the params' (kernel) dtypes.
-        if kernel and update_grads is grads:
-            pn, gn = _norms(params, grads, device, True)
-        else:
-            pn, gn = _norms(params, grads, device)
+        group, params = plan.group, plan.params
+        grad_scale, _ = C.amp_args(self, plan.device)
+        # The norms are of the grads as they are (sparse ones are refused first).
+        C.check_dense_grads(type(self).__name__, plan, grads)
+        _, per = aiak.ops.multi_tensor_l2norm(params + grads, True)
+        n = len(params)
+        pn, gn = per[:n], per[n:]
         if grad_scale is not None:
             gn = gn / grad_scale  # norms of the still-scaled grads
         wd, tc, eps = (float(group[k]) for k in ("weight_decay", "trust_coefficient", "eps"))
@@ -85,7 +87,7 @@ class LARS(C.FusedOptimizer):
         if group["exclude_1d"]:
             adapt &= self._adapted(plan)
         scales = torch.where(adapt, trust, torch.ones_like(trust)).float()
-        sgd_step(self, plan, update_grads, scales=scales, checked=True)
+        sgd_step(self, plan, grads, scales=scales)
 
     def _adapted(self, plan: C.Plan) -> torch.Tensor:
         """Which params get a trust ratio (dim > 1), as a device mask: one upload per param
@@ -102,22 +104,3 @@ class LARS(C.FusedOptimizer):
                 masks[key] = mask
             plan.extra["adapted"] = mask
         return mask
-
-
-def _norms(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    device: torch.device,
-    kernel_dtypes: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-tensor L2 norms of params and grads (fp32, on ``device``), in one op when possible
-    (its eager fast path: through the dispatcher the 2n-tensor list alone cost ~75 µs per
-    step for 161 params on the 2-core EPYC host). ``kernel_dtypes``: all dtypes are known to
-    be kernel dtypes (else they are checked)."""
-    n = len(params)
-    if C.use_ops(device) and (kernel_dtypes or C.kernel_dtypes(params + grads)):
-        _, per = C.op("multi_tensor_l2norm")(params + grads, True)
-        return per[:n], per[n:]
-    pn = torch.stack(torch._foreach_norm(params)).float()
-    gn = torch.stack(torch._foreach_norm(grads)).float()
-    return pn, gn

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
+import aiak.ops
 from aiak.optim import _common as C
 
 __all__ = ["FusedSGD"]
@@ -15,8 +16,11 @@ __all__ = ["FusedSGD"]
 class FusedSGD(C.FusedOptimizer):
     """SGD with momentum, dampening, nesterov, weight decay, ``maximize`` (torch.optim.SGD).
 
-    On the first step a param's ``momentum_buffer`` is set to its decayed grad, as in torch.
-    (When GradScaler skips that very first step, the buffer is left at zero.)
+    On a param's first applied step its ``momentum_buffer`` is set to its decayed grad, as in
+    torch. A step GradScaler skips (inf/NaN grads) is not applied: a param that had no buffer
+    before it still has none after it, as in torch (where GradScaler does not call ``step()``).
+    Knowing that takes one read of ``found_inf`` on the host, on steps where some param of a
+    group has no buffer yet (the first ones); every other step reads nothing on the host.
     """
 
     def __init__(
@@ -50,6 +54,7 @@ class FusedSGD(C.FusedOptimizer):
             dampening=group["dampening"],
             weight_decay=group["weight_decay"],
         )
+        C.check_flags(owner, group, "nesterov", "maximize")
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
             raise ValueError(f"{owner}: nesterov needs momentum > 0 and dampening 0")
 
@@ -58,6 +63,9 @@ class FusedSGD(C.FusedOptimizer):
 
     def _plan_lists(self, group: dict, params: list[torch.Tensor]) -> dict[str, list]:
         return sgd_plan_lists(self, group, params)
+
+    def _bind(self, plan: C.Plan) -> aiak.ops.Bound | None:
+        return sgd_bind(self, plan)
 
     def _step_group(self, plan: C.Plan, grads: list[torch.Tensor]) -> None:
         sgd_step(self, plan, grads, scales=None)
@@ -83,111 +91,66 @@ def sgd_plan_lists(
     return {"momentum_buffers": [st["momentum_buffer"] for st in states], "first": first}
 
 
+def sgd_bind(opt: C.FusedOptimizer, plan: C.Plan) -> aiak.ops.Bound | None:
+    """The steady-state step (every momentum buffer exists); None while some param is on its
+    first step (that step is split in two calls, below, and the plan is rebuilt after it)."""
+    if plan.lists["first"]:
+        return None
+    rest = [plan.lists["momentum_buffers"], plan.copy_to]
+    conform = C.conformer(type(opt).__name__, plan)
+    return aiak.ops.bind(aiak.ops.fused_sgd_, plan.params, rest, conform)
+
+
+def _skipped(found_inf: torch.Tensor | None) -> bool:
+    """GradScaler found inf/NaN (read on the host; never while capturing a CUDA graph)."""
+    if found_inf is None:
+        return False
+    if found_inf.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    return bool(found_inf.item() != 0)
+
+
 def sgd_step(
     opt: C.FusedOptimizer,
     plan: C.Plan,
     grads: list[torch.Tensor],
     scales: torch.Tensor | None,
-    checked: bool = False,
 ) -> None:
-    """One SGD update of ``plan.params`` (LARS passes its per-tensor trust ratios as ``scales``,
-    and its grads through ``C.checked_grads`` already: ``checked``).
+    """One SGD update of ``plan.params`` (LARS passes its per-tensor trust ratios as
+    ``scales``).
 
     Params whose momentum buffer exists and those on their first step are two calls, as the
     first step sets the buffer instead of averaging into it; a plan with first-step params is
     used once (the next step rebuilds it, all buffers existing).
     """
     group, device, params = plan.group, plan.device, plan.params
-    momentum = float(group.get("momentum", 0.0))
     lr, lr_tensor = C.lr_args(group["lr"], device)
     grad_scale, found_inf = C.amp_args(opt, device)
-    kernel = plan.kernel_dtypes and C.use_ops(device)
-    if not checked:
-        grads = C.checked_grads(type(opt).__name__, plan, grads, kernel)
-    bufs, copy_to = plan.lists["momentum_buffers"], plan.copy_to
+    tail = (
+        float(group.get("momentum", 0.0)),
+        float(group.get("dampening", 0.0)),
+        float(group["weight_decay"]),
+        bool(group.get("nesterov", False)),
+        bool(group.get("maximize", False)),
+    )
     first = plan.lists["first"]
-    if first:
-        plan.stale = True
-        is_first = set(first)
-        rest = [i for i in range(len(params)) if i not in is_first]
-        parts = [(False, rest), (True, first)]
-    else:
-        parts = [(False, None)]
-    for step_is_first, idx in parts:
-        if idx is not None and not idx:
+    if not first:
+        plan.bound(grads, lr, lr_tensor, *tail, False, scales, grad_scale, found_inf)
+        return
+    plan.stale = True
+    if _skipped(found_inf):
+        # Not applied: the new buffers go again, so the next applied step is these params' first.
+        for i in first:
+            del opt.state[params[i]]["momentum_buffer"]
+        return
+    grads = C.conform_grads(type(opt).__name__, plan, grads)
+    is_first = set(first)
+    rest = [i for i in range(len(params)) if i not in is_first]
+    bufs, copy_to = plan.lists["momentum_buffers"], plan.copy_to
+    for step_is_first, idx in ((False, rest), (True, first)):
+        if not idx:
             continue
-        lists = (params, grads, bufs, copy_to)
-        sub_scales = scales
-        if idx is not None:
-            lists = tuple([t[i] for i in idx] if t else [] for t in lists)
-            sub_scales = None if scales is None else scales[idx]
-        kw = {
-            "lr": lr,
-            "lr_tensor": lr_tensor,
-            "momentum": momentum,
-            "dampening": float(group.get("dampening", 0.0)),
-            "weight_decay": float(group["weight_decay"]),
-            "nesterov": bool(group.get("nesterov", False)),
-            "maximize": bool(group.get("maximize", False)),
-            "is_first_step": step_is_first,
-            "scales": sub_scales,
-            "grad_scale": grad_scale,
-            "found_inf": found_inf,
-        }
-        if kernel:
-            C.op("fused_sgd_")(*lists, *kw.values())
-        else:
-            sgd_foreach(*lists, **kw)
-
-
-def sgd_foreach(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    momentum_buffers: Sequence[torch.Tensor],
-    copy_to: Sequence[torch.Tensor],
-    *,
-    lr: float,
-    lr_tensor: torch.Tensor | None,
-    momentum: float,
-    dampening: float,
-    weight_decay: float,
-    nesterov: bool,
-    maximize: bool,
-    is_first_step: bool,
-    scales: torch.Tensor | None,
-    grad_scale: torch.Tensor | None,
-    found_inf: torch.Tensor | None,
-) -> None:
-    """``aiak::fused_sgd_`` with torch._foreach ops, in torch's foreach SGD op order."""
-    mutated = [*params, *momentum_buffers, *copy_to]
-    if grad_scale is not None:
-        mutated += grads
-
-    def update() -> None:
-        p, bufs = C.upcast(params), C.upcast(momentum_buffers)
-        g = C.upcast(grads)
-        if grad_scale is not None:
-            g = torch._foreach_div(g, grad_scale.reshape(()))
-            torch._foreach_copy_(list(grads), g)
-        if maximize:
-            g = torch._foreach_neg(g)
-        if weight_decay != 0:
-            g = torch._foreach_add(g, p, alpha=weight_decay)
-        if scales is not None:
-            g = torch._foreach_mul(g, list(scales.unbind()))
-        if momentum != 0:
-            if is_first_step:
-                torch._foreach_copy_(bufs, g)
-            else:
-                torch._foreach_mul_(bufs, momentum)
-                torch._foreach_add_(bufs, g, alpha=1 - dampening)
-            g = torch._foreach_add(g, bufs, alpha=momentum) if nesterov else bufs
-        if lr_tensor is None:
-            torch._foreach_add_(p, g, alpha=-lr)
-        else:
-            torch._foreach_sub_(p, torch._foreach_mul(g, lr_tensor.reshape(())))
-        C.store(params, p)
-        C.store(momentum_buffers, bufs)
-        C.copy_back(copy_to, params)
-
-    C.unless_found_inf(found_inf, mutated, update)
+        lists = [[t[i] for i in idx] if t else [] for t in (params, grads, bufs, copy_to)]
+        sub = None if scales is None else scales[idx]
+        args = (*lists, lr, lr_tensor, *tail, step_is_first, sub, grad_scale, found_inf)
+        aiak.ops.fused_sgd_(*args)

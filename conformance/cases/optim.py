@@ -321,7 +321,8 @@ def _lamb_specs(device: torch.device) -> list[Spec]:
     # ~lr of its norm per step (1e-2 here), about one bf16 ulp, so each store rounds away a
     # large part of the step (bf16: 2-3% after 10 steps); fp16 moments (kept in the param
     # dtype, as apex does) underflow for clipped grads. The tests check half-precision LAMB
-    # against the same fp32 math (kernel vs foreach path). Mixed precision runs on fp32 masters.
+    # against the same fp32 math (kernel vs the op's reference). Mixed precision runs on fp32
+    # masters.
     out = []
     for d, (aw, ga, bc, nv, wd, mg) in itertools.product((torch.float32,), LAMB_OPTIONS):
         opts = {

@@ -14,7 +14,7 @@ from aiak.ops import _capability, _cuda
 
 
 def test_kernel_source_inlines_local_headers_once() -> None:
-    text = _cuda.kernel_source("multi_tensor.cu")
+    text = _cuda.kernel_source("multi_tensor_l2norm.cu")
     assert '#include "' not in text and "#pragma once" not in text
     assert text.count("struct ChunkRef {") == 1
     with pytest.raises(FileNotFoundError, match="no kernel source"):

@@ -1,7 +1,7 @@
 """Shared by the optim tests: parameter sets, a lock-step runner, the float64 references.
 
 The LAMB/LARS references are the conformance suite's (plain per-tensor float64 code written
-from apex FusedLAMB's update rule and the LARS docstring), independent of aiak.optim's code paths.
+from apex FusedLAMB's semantics and the LARS docstring), independent of aiak.ops' code.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ step without one.
 The oracle is the same optimizer with its plans dropped before every step (every step builds
 from the params, grads and state as they are then: what each step did before plans existed),
 driven in lock step through the events that must rebuild a plan. Both paths run: the foreach
-path, and the kernel path's Python (``use_ops`` forced on; on CPU the op runs its reference).
+path of ``aiak.ops`` (on CPU the op runs its reference).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import pytest
 import torch
 from _optim_helpers import clones, make_params
 
-import aiak.optim._common as C
 from aiak.optim import LAMB, LARS, FusedAdam, FusedAdamW, FusedSGD
 
 SHAPES = [(3, 5), (7,), (1,), (4, 2), (2, 1, 4), (6,)]
@@ -47,11 +46,10 @@ def _same_state(a: torch.optim.Optimizer, pa: list, b: torch.optim.Optimizer, pb
             torch.testing.assert_close(a.state[x][k], b.state[y][k], rtol=0, atol=0)
 
 
-@pytest.fixture(params=["foreach", "kernel-path"])
-def path(request, monkeypatch):
-    if request.param == "kernel-path":
-        monkeypatch.setattr(C, "use_ops", lambda device: True)
-    return request.param
+@pytest.fixture
+def path():
+    """One path now: the op (its reference, on CPU)."""
+    return "ops"
 
 
 @pytest.mark.parametrize("name", list(MAKERS))
@@ -193,11 +191,9 @@ def test_sgd_params_getting_their_first_grad_late_match_torch(path) -> None:
                 x.grad, y.grad = g.clone(), g.clone()
         ours.step()
         ref.step()
-        # The ops' reference (kernel path on CPU) rounds like the kernel, not like torch's
-        # foreach ops: bit for bit on the foreach path, within an ulp or two otherwise.
-        tol = {"rtol": 0, "atol": 0} if path == "foreach" else {"rtol": 1e-6, "atol": 1e-7}
+        # The op's reference is torch's foreach SGD, op for op: bit for bit.
         for x, y in zip(a, b):
-            torch.testing.assert_close(x, y, **tol)
+            torch.testing.assert_close(x, y, rtol=0, atol=0)
 
 
 def test_amsgrad_switched_on_rebuilds_the_plan() -> None:

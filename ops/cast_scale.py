@@ -5,8 +5,8 @@ small fp32 values above fp16's underflow before the cast (Perseus's gradient sca
 ``1/scale`` on the way back does not round the narrow value twice. aiak.comm's fp16/bf16
 compression uses it for both directions of every bucket: one launch each way, no tables, no
 host synchronisation. torch has no single op for it: ``torch.mul(half, fp32_tensor, out=f32)``
-computes in fp32 but takes TensorIterator's broadcasting path (measured ~33% of copy bandwidth
-on 2 x H200 for a 64 MB bucket, benchmarks/results/comm_nccl_notes.md).
+computes in fp32 but takes TensorIterator's broadcasting path, a fraction of copy bandwidth
+(benchmarks/results/comm_nccl_notes.md).
 
 Read top-down: checks, the PyTorch reference (the default kernel on every device), the CUDA
 launcher, the op declaration.
@@ -18,19 +18,48 @@ import torch
 
 from aiak.ops import _cuda
 from aiak.ops._capability import FLOAT_DTYPES, Capability, declare, use_kernel
-from aiak.ops._registry import define
+from aiak.ops._registry import _increment, define
 
 __all__ = ["cast_scale_"]
 
-CAST = declare(Capability("cast_scale_"))
+CAP = declare(Capability("cast_scale_"))
 _SOURCE = "cast_scale.cu"
 _CODE = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+_NAMES = {(s, d): f"cast_scale_{_CODE[s]}_{_CODE[d]}" for s in _CODE for d in _CODE}
 _BLOCK = 512  # __launch_bounds__(512) in the source
 _PER_THREAD = 8  # elements per thread and grid step
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _check(dst: torch.Tensor, src: torch.Tensor, scale: float, memory: bool = True) -> None:
-    """``memory=False`` for fake tensors, which have no addresses to compare."""
+    """``memory=False`` for fake tensors, which have no addresses to compare. The usual case
+    is one expression; only a failure walks the arguments to name the culprit."""
+    if not (
+        type(dst) in _PLAIN
+        and type(src) in _PLAIN
+        and dst.dtype in _CODE
+        and src.dtype in _CODE
+        and dst.is_contiguous()
+        and src.is_contiguous()
+        and src.device == dst.device
+        and src.numel() == dst.numel()
+    ):
+        _explain(dst, src)
+    if not memory:
+        return
+    n = src.numel()
+    a, b = src.data_ptr(), dst.data_ptr()
+    in_place = a == b and src.dtype == dst.dtype
+    if n and not in_place and a < b + n * dst.element_size() and b < a + n * src.element_size():
+        raise ValueError(
+            "cast_scale_: src and dst overlap in memory; only the very same tensor (same dtype) "
+            "may be both"
+        )
+
+
+def _explain(dst: torch.Tensor, src: torch.Tensor) -> None:
     op = "cast_scale_"
     for name, t in (("dst", dst), ("src", src)):
         if not isinstance(t, torch.Tensor):
@@ -38,24 +67,16 @@ def _check(dst: torch.Tensor, src: torch.Tensor, scale: float, memory: bool = Tr
         if t.dtype not in _CODE:
             allowed = ", ".join(str(d).removeprefix("torch.") for d in FLOAT_DTYPES)
             raise TypeError(f"{op}: {name} has dtype {t.dtype}, expected one of ({allowed})")
+        if t.layout != torch.strided:
+            raise TypeError(f"{op}: {name} has layout {t.layout}; only dense tensors")
         if not t.is_contiguous():
             raise ValueError(f"{op}: {name} must be contiguous; call .contiguous() first")
     if src.device != dst.device:
         raise ValueError(f"{op}: src is on {src.device} but dst is on {dst.device}")
-    n = src.numel()
-    if dst.numel() != n:
+    if dst.numel() != src.numel():
         raise ValueError(
-            f"{op}: dst has {dst.numel()} elements (shape {tuple(dst.shape)}) but src has {n} "
-            f"(shape {tuple(src.shape)})"
-        )
-    if not memory:
-        return
-    a, b = src.data_ptr(), dst.data_ptr()
-    in_place = a == b and src.dtype == dst.dtype
-    if n and not in_place and a < b + n * dst.element_size() and b < a + n * src.element_size():
-        raise ValueError(
-            f"{op}: src and dst overlap in memory; only the very same tensor (same dtype) may "
-            "be both"
+            f"{op}: dst has {dst.numel()} elements (shape {tuple(dst.shape)}) but src has "
+            f"{src.numel()} (shape {tuple(src.shape)})"
         )
 
 
@@ -70,21 +91,19 @@ def _reference(dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
 def _cast_cuda(dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
     _check(dst, src, scale)
     n = dst.numel()
-    if not use_kernel(CAST, dst.device, (src.dtype, dst.dtype)):
+    if not use_kernel(CAP, dst.device, (src.dtype, dst.dtype)):
         _reference(dst, src, scale)
         return
     if n == 0:
         return
-    import numpy as np  # only on the CUDA path: `import aiak.ops` stays free of numpy
-
+    np = _cuda.numpy()
     with _cuda.on_device(dst.device):
-        fn = _cuda.get_function(_SOURCE, f"cast_scale_{_CODE[src.dtype]}_{_CODE[dst.dtype]}")
-        # A grid-stride loop: 4 blocks of 512 per SM fill an H100/H200 SM (2048 threads).
+        fn = _cuda.get_function(_SOURCE, _NAMES[src.dtype, dst.dtype])
+        # A grid-stride loop: 4 blocks of 512 per SM fill an SM that holds 2048 threads.
         steps = -(-n // (_BLOCK * _PER_THREAD))
         blocks = max(1, min(steps, 4 * _cuda.num_sms(torch.cuda.current_device())))
-        _cuda.launch(
-            fn, blocks, _BLOCK, (_cuda.ptr(src), _cuda.ptr(dst), np.float32(scale), np.int64(n))
-        )
+        args = (np.uint64(src.data_ptr()), np.uint64(dst.data_ptr()), np.float32(scale))
+        _cuda.launch(fn, blocks, _BLOCK, (*args, np.int64(n)))
 
 
 def _fake(dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
@@ -105,10 +124,16 @@ def cast_scale_(dst: torch.Tensor, src: torch.Tensor, scale: float = 1.0) -> tor
     fp32/fp16/bf16 in any pairing, contiguous, same element count (shapes may differ), same
     device; ``dst`` may be ``src`` itself. Never synchronises the host.
     """
-    for name, t in (("dst", dst), ("src", src)):  # before the dispatcher's own TypeError
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"cast_scale_: {name} must be a tensor, got {type(t).__name__}")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"cast_scale_: scale must be a number, got {type(scale).__name__}")
-    CAST_OP(dst, src, float(scale))
+    if type(scale) is not float:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise TypeError(f"cast_scale_: scale must be a number, got {type(scale).__name__}")
+        scale = float(scale)
+    kernel = CAST_OP.eager_kernel((dst, src))
+    if kernel is None:
+        if not (isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor)):
+            _explain(dst, src)  # before the dispatcher's own TypeError
+        CAST_OP.overload(dst, src, scale)
+        return dst
+    kernel(dst, src, scale)  # the Op's eager fast path, one call frame fewer; it checks src
+    _increment((dst,))
     return dst

@@ -1,0 +1,57 @@
+"""aiak::multi_tensor_l2norm (per-tensor and total norms of a whole list) vs torch's
+``_foreach_norm`` + stack and apex's ``amp_C.multi_tensor_l2norm``, on the ResNet-50 (161
+tensors) and BERT-large (389) sets, fp32.
+
+    python benchmarks/bench_multi_tensor_l2norm.py [--sets resnet,bert]
+
+Floor: 4 bytes per element (read once). Columns: benchmarks/_compare.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import torch
+from _compare import apex_module, run
+
+import aiak.ops
+
+
+def cases(set_name, shapes):
+    ts = [torch.randn(s, device="cuda") for s in shapes]
+    nbytes = 4 * sum(math.prod(s) for s in shapes)
+    yield "l2norm", nbytes, "aiak", lambda: aiak.ops.multi_tensor_l2norm(ts, True)
+
+    def foreach() -> None:
+        torch.linalg.vector_norm(torch.stack(torch._foreach_norm(ts)))
+
+    yield "l2norm", nbytes, "torch foreach", foreach
+    amp_c, _ = apex_module("amp_C")
+    if amp_c is not None:
+        from apex.multi_tensor_apply import multi_tensor_applier
+
+        flag = torch.zeros(1, dtype=torch.int, device="cuda")
+        yield (
+            "l2norm",
+            nbytes,
+            "apex amp_C",
+            lambda: multi_tensor_applier(amp_c.multi_tensor_l2norm, flag, [ts], True),
+        )
+
+
+def notes():
+    _, why = apex_module("amp_C")
+    return [f"apex rows skipped: {why}"] if why else []
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sets", default="resnet,bert")
+    args = ap.parse_args(argv)
+    return run("multi_tensor_l2norm", cases, args.sets, notes())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

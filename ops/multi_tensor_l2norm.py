@@ -1,0 +1,153 @@
+"""``aiak::multi_tensor_l2norm``: the L2 norm of a whole tensor list (and of each tensor), fp32.
+
+Two CUDA launches (``kernels/multi_tensor_l2norm.cu``) over the list's device table
+(``ops/_mta.py``): per-chunk partial sums, then one block per list, in a fixed order (the result
+is deterministic). Differentiable (``register_autograd``). Read top-down: reference, CUDA
+launcher, the op with its fake and autograd formula, the Python convenience.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+import torch
+
+from aiak.ops import _cuda, _mta
+from aiak.ops._capability import (
+    REFERENCE_DTYPES,
+    Capability,
+    check_tensor_list,
+    declare,
+    is_dense,
+    use_kernel,
+)
+from aiak.ops._registry import LIB, define
+
+__all__ = ["multi_tensor_l2norm"]
+
+CAP = declare(Capability("multi_tensor_l2norm"))
+_SOURCE = "multi_tensor_l2norm.cu"
+_dtype = operator.attrgetter("dtype")
+_BLOCK = 512  # threads per chunk block; __launch_bounds__(512) in the source
+
+
+def _norms_reference(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One fp32 L2 norm per tensor, stacked (float64 tensors: computed in float64)."""
+    return torch.stack(
+        [
+            torch.linalg.vector_norm(
+                t, dtype=torch.float64 if t.dtype == torch.float64 else torch.float32
+            ).float()
+            for t in tensors
+        ]
+    )
+
+
+def _l2norm_reference(
+    tensors: Sequence[torch.Tensor], per_tensor: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    device = check_tensor_list("multi_tensor_l2norm", "tensors", tensors, REFERENCE_DTYPES)
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32), torch.zeros(0, dtype=torch.float32)
+    norms = _norms_reference(tensors)
+    total = torch.linalg.vector_norm(norms)
+    per = norms if per_tensor else torch.zeros(0, dtype=torch.float32, device=device)
+    return total, per
+
+
+def _l2norm_cuda(
+    tensors: Sequence[torch.Tensor], per_tensor: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    tab = _mta.cached("multi_tensor_l2norm", [tensors])
+    if tab is not None and use_kernel(CAP, tab.data.device, tab.dtypes):
+        return _l2norm_launch(tab, len(tensors), per_tensor)
+    device = check_tensor_list("multi_tensor_l2norm", "tensors", tensors, REFERENCE_DTYPES)
+    if not use_kernel(CAP, device, set(map(_dtype, tensors))):
+        return _l2norm_reference(tensors, per_tensor)
+    # A strided view (every other row, say) has a defined norm: walk a dense copy of it.
+    ts = [t if t.is_contiguous() or is_dense(t) else t.contiguous() for t in tensors]
+    with _cuda.on_device(device):
+        return _l2norm_launch(_mta.table([ts], device, "multi_tensor_l2norm"), len(ts), per_tensor)
+
+
+def _l2norm_launch(tab: _mta.Table, n: int, per_tensor: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    device = tab.data.device
+    with _cuda.on_device(device):
+        total = torch.empty((), dtype=torch.float32, device=device)
+        per = torch.empty(n if per_tensor else 0, dtype=torch.float32, device=device)
+        partials = torch.empty(max(tab.num_chunks, 1), dtype=torch.float32, device=device)
+        if tab.num_chunks:
+            fn = _cuda.get_function(_SOURCE, "mt_l2norm_partial")
+            _cuda.launch(
+                fn, tab.num_chunks, _BLOCK, (_cuda.ptr(tab.data), _cuda.i32(n), _cuda.ptr(partials))
+            )
+        fn = _cuda.get_function(_SOURCE, "mt_l2norm_finalize")
+        _cuda.launch(
+            fn,
+            1,
+            1024,
+            (
+                _cuda.ptr(tab.data),
+                _cuda.i32(n),
+                _cuda.ptr(partials),
+                _cuda.ptr(per if per_tensor else None),
+                _cuda.ptr(total),
+            ),
+        )
+    return total, per
+
+
+def _l2norm_fake(
+    tensors: list[torch.Tensor], per_tensor: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    device = check_tensor_list("multi_tensor_l2norm", "tensors", tensors, REFERENCE_DTYPES)
+    device = device if device is not None else torch.device("cpu")
+    total = torch.empty((), dtype=torch.float32, device=device)
+    per = torch.empty(len(tensors) if per_tensor else 0, dtype=torch.float32, device=device)
+    return total, per
+
+
+def _l2norm_setup(ctx, inputs, output) -> None:
+    tensors, per_tensor = inputs
+    total, per = output
+    ctx.per_tensor = per_tensor
+    ctx.save_for_backward(total, per, *tensors)
+
+
+def _l2norm_backward(ctx, grad_total, grad_per):
+    # d||x||/dx = x / ||x|| (0 where the norm is 0), for the global norm and each per-tensor one.
+    total, per, *tensors = ctx.saved_tensors
+    grads = []
+    safe_total = torch.where(total > 0, total, torch.ones_like(total))
+    for i, t in enumerate(tensors):
+        coef = torch.where(total > 0, grad_total / safe_total, torch.zeros_like(total))
+        if ctx.per_tensor and grad_per is not None:
+            n = per[i]
+            coef = coef + torch.where(n > 0, grad_per[i] / torch.where(n > 0, n, 1.0), 0.0)
+        grads.append((t.float() * coef).to(t.dtype))
+    return grads, None
+
+
+L2NORM_OP = define(
+    "multi_tensor_l2norm(Tensor[] tensors, bool per_tensor) -> (Tensor, Tensor)",
+    _l2norm_reference,
+    cuda=_l2norm_cuda,
+    fake=_l2norm_fake,
+    differentiable=True,
+)
+torch.library.register_autograd(
+    "aiak::multi_tensor_l2norm", _l2norm_backward, setup_context=_l2norm_setup, lib=LIB
+)
+
+
+def multi_tensor_l2norm(
+    tensors: Sequence[torch.Tensor], per_tensor: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The L2 norm of all ``tensors`` together (fp32, 0-dim) and, if ``per_tensor``, one per
+    tensor (fp32, ``[len(tensors)]``; otherwise an empty tensor). Never synchronises the host.
+
+    Accepts fp32/fp16/bf16 tensors (float64 too, on the reference), mixed, of any sizes (empty
+    ones count 0) on one device.
+    """
+    return L2NORM_OP(list(tensors), per_tensor)
