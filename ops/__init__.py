@@ -38,10 +38,10 @@ from typing import Any
 import torch
 
 from aiak.ops import _cuda
+from aiak.ops import dgc_select as _dgc_select  # noqa: F401 (registers aiak::dgc_select)
 from aiak.ops._capability import CAPABILITIES, Capability
 from aiak.ops._fused import Bound, bind
 from aiak.ops.cast_scale import cast_scale_
-from aiak.ops.dgc_select import dgc_select
 from aiak.ops.fcos3d import fcos3d_targets
 from aiak.ops.fused_adam import fused_adam_
 from aiak.ops.fused_lamb import fused_lamb_
@@ -49,7 +49,7 @@ from aiak.ops.fused_sgd import fused_sgd_
 from aiak.ops.multi_tensor_l2norm import multi_tensor_l2norm
 from aiak.ops.multi_tensor_scale import multi_tensor_scale_
 from aiak.ops.simota import simota_assign
-from aiak.ops.window_attention import roll_window_partition, window_attention, window_merge_roll
+from aiak.ops.window_attention import roll_window_partition, window_merge_roll
 
 __all__ = [
     "CAPABILITIES",
@@ -58,7 +58,6 @@ __all__ = [
     "backends",
     "bind",
     "cast_scale_",
-    "dgc_select",
     "fcos3d_targets",
     "fused_adam_",
     "fused_lamb_",
@@ -67,7 +66,6 @@ __all__ = [
     "multi_tensor_scale_",
     "roll_window_partition",
     "simota_assign",
-    "window_attention",
     "window_merge_roll",
 ]
 
