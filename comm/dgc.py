@@ -13,14 +13,15 @@ Per bucket, every gradient with ``dim > 1`` is compressed; the others go densely
   SGD momentum of the mean gradient); the result is ``zeros.index_add(idx_all, vals_all)/P``.
 
 The optimizer must be SGD that applies momentum only to weight decay: :class:`DGCSGD`
-(``DGCSGD.from_optimizer(torch.optim.SGD(...))``). Memory is kept per parameter (by name when
-the hook is registered with :func:`aiak.comm.register`), in fp32, and pickles with the state.
+(``DGCSGD.from_optimizer(torch.optim.SGD(...))``; its code is comm/_dgc_sgd.py). Memory is
+kept per parameter (by name when the hook is registered with :func:`aiak.comm.register`), in
+fp32, and pickles with the state.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ import torch
 from . import _collectives, _futures, _streams
 from ._base import CommHook, HookState, Setup
 from ._collectives import Link
+from ._dgc_sgd import DGCSGD, require_sgd
 
 _SELECT: list[Any] = []  # aiak.ops's selection op, imported on first use (lean import)
 
@@ -321,93 +323,6 @@ def dgc(
     return _DGC(state)
 
 
-# ------------------------------------------------------------------------------------------
-# The optimizer side: SGD with momentum on weight decay only
-# ------------------------------------------------------------------------------------------
-
-
-class DGCSGD(torch.optim.Optimizer):
-    """SGD whose momentum applies only to the weight-decay term (gradient momentum is in DGC).
-
-    ``p -= lr * (grad + w)`` with ``w = buf = m*buf + wd*p`` (nesterov: ``wd*p + m*buf``).
-    With the hook's dense momentum this is exactly ``torch.optim.SGD(momentum=m, weight_decay=
-    wd)`` on the averaged gradient (momentum is linear); with compression it is DGC's rule.
-    The state key is ``momentum_buffer`` (the weight-decay buffer).
-    """
-
-    def __init__(
-        self,
-        params: Iterable[Any],
-        lr: float,
-        momentum: float = 0.0,
-        weight_decay: float = 0.0,
-        nesterov: bool = False,
-    ) -> None:
-        if not lr >= 0:
-            raise ValueError(f"DGCSGD: lr must be >= 0, got {lr}")
-        if not 0 <= momentum < 1:
-            raise ValueError(f"DGCSGD: momentum must be in [0, 1), got {momentum}")
-        if not weight_decay >= 0:
-            raise ValueError(f"DGCSGD: weight_decay must be >= 0, got {weight_decay}")
-        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
-        super().__init__(params, defaults)
-
-    @classmethod
-    def from_optimizer(cls, optimizer: torch.optim.Optimizer) -> DGCSGD:
-        """A DGCSGD over ``optimizer``'s groups and settings; SGD (torch or aiak Fused) only."""
-        _require_sgd(optimizer)
-        groups = []
-        for g in optimizer.param_groups:
-            if g.get("dampening", 0):
-                raise ValueError("DGCSGD: dampening is not supported by DGC's momentum")
-            groups.append(
-                {
-                    "params": list(g["params"]),
-                    "lr": g["lr"],
-                    "momentum": g.get("momentum", 0.0),
-                    "weight_decay": g.get("weight_decay", 0.0),
-                    "nesterov": g.get("nesterov", False),
-                }
-            )
-        return cls(groups, lr=optimizer.defaults["lr"])
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            lr, m, wd = group["lr"], group["momentum"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                d = p.grad
-                if wd:
-                    w = p.mul(wd)
-                    if m:
-                        st = self.state[p]
-                        buf = st.get("momentum_buffer")
-                        if buf is None:
-                            buf = st["momentum_buffer"] = w.clone()
-                        else:
-                            buf.mul_(m).add_(w)
-                        w = w.add(buf, alpha=m) if group["nesterov"] else buf
-                    d = d.add(w)
-                p.add_(d, alpha=-lr)
-        return loss
-
-
-def _require_sgd(optimizer: Any) -> None:
-    name = type(optimizer).__name__
-    if isinstance(optimizer, DGCSGD):
-        return
-    if not (isinstance(optimizer, torch.optim.SGD) or name == "FusedSGD"):
-        raise TypeError(
-            f"DGC supports SGD only (its momentum lives in the compressor's memory), got {name}"
-        )
-
-
 def _dgc_states(state: HookState) -> list[DGCState]:
     out, stack = [], [state]
     while stack:
@@ -427,7 +342,7 @@ def check_dgc_optimizer(hook: CommHook, optimizer: torch.optim.Optimizer) -> Non
     states = _dgc_states(hook.state)
     if not states:
         return
-    _require_sgd(optimizer)
+    require_sgd(optimizer)
     if isinstance(optimizer, DGCSGD):
         return
     if any(g.get("momentum", 0) for g in optimizer.param_groups) and any(

@@ -34,7 +34,7 @@ is outside ``[0, C)`` takes part in nothing; on CPU tensors it is an error, on C
 checked (that check would synchronise the host).
 
 Read top-down: checks, the PyTorch reference (the default kernel on every device), the CUDA
-launcher, the op declaration, the public function.
+dispatch (its launcher is ops/_simota_cuda.py), the op declaration, the public function.
 """
 
 from __future__ import annotations
@@ -43,18 +43,13 @@ from typing import NamedTuple
 
 import torch
 
-from aiak.ops import _cuda
 from aiak.ops._capability import FLOAT_DTYPES, Capability, declare, use_kernel
 from aiak.ops._registry import define
+from aiak.ops._simota_cuda import launch_simota
 
 __all__ = ["SimOTAAssignment", "simota_assign"]
 
 SIMOTA = declare(Capability("simota_assign"))
-_SOURCE = "simota.cu"
-# --fmad=false: products and sums round one by one, as in the reference (no contraction).
-_OPTIONS = ("-std=c++17", "--fmad=false")
-_BLOCK = 256
-_WARPS = _BLOCK // 32
 _TOPK = 10
 _FORMATS = ("cxcywh", "xyxy")
 _INT_DTYPES = (torch.int64, torch.int32)
@@ -160,11 +155,6 @@ def _outputs(B: int, A: int, device: torch.device) -> SimOTAAssignment:
     )
 
 
-# --------------------------------------------------------------------------------------------
-# Reference: vectorised over images, gts and anchors ([B, G, A] tensors), float64.
-# --------------------------------------------------------------------------------------------
-
-
 def _corners(boxes: torch.Tensor, xyxy: bool) -> tuple[torch.Tensor, ...]:
     """(l, t, r, b, cx, cy, area) in float64, each ``boxes.shape[:-1]``."""
     q = boxes.float().double()
@@ -198,6 +188,7 @@ def _reference(
     geometry_penalty: bool = True,
     box_format: str = "cxcywh",
 ) -> tuple[torch.Tensor, ...]:
+    """The reference: vectorised over images, gts and anchors ([B, G, A] tensors), float64."""
     B, G, A, C = _check(
         gt_boxes, gt_classes, gt_valid, anchor_centers, anchor_strides, pred_boxes,
         cls_logits, obj_logits, center_radius, box_format,
@@ -290,15 +281,6 @@ def _reference(
     return tuple(out)
 
 
-# --------------------------------------------------------------------------------------------
-# CUDA: three launches (see ops/kernels/simota.cu), float32 inputs, torch-allocated workspace.
-# --------------------------------------------------------------------------------------------
-
-
-def _f32(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.float32).contiguous()
-
-
 def _simota_cuda(
     gt_boxes: torch.Tensor,
     gt_classes: torch.Tensor,
@@ -320,53 +302,9 @@ def _simota_cuda(
     B, G, A, C = _check(*args, center_radius, box_format)
     if not use_kernel(SIMOTA, gt_boxes.device, ()):
         return _reference(*args, center_radius, center_only, geometry_penalty, box_format)
-    import numpy as np  # only on the CUDA path: `import aiak.ops` stays free of numpy
-
-    device = gt_boxes.device
-    out = _outputs(B, A, device)
-    if B == 0 or A == 0:
-        out.num_fg.zero_()
-        return tuple(out)
-    boxes, pred = _f32(gt_boxes), _f32(pred_boxes)
-    cls, obj = _f32(cls_logits), _f32(obj_logits)
-    centers, strides = _f32(anchor_centers), _f32(anchor_strides)
-    classes = gt_classes.to(torch.int64).contiguous()
-    valid = gt_valid.contiguous()
-    cand = torch.empty(B, A, dtype=torch.uint8, device=device)
-    bg_sum = torch.empty(B, A, dtype=torch.float64, device=device)
-    count = torch.empty(B, A, dtype=torch.int32, device=device)
-    owner = torch.empty(B, A, dtype=torch.int32, device=device)
-    p = _cuda.ptr
-    sizes = (np.int32(B), np.int32(G), np.int32(A), np.int32(C), np.float64(center_radius))
-    flags = (np.int32(center_only), np.int32(geometry_penalty), np.int32(box_format == "xyxy"))
-    gts = (p(boxes), p(classes), p(valid), p(centers), p(strides))
-    with _cuda.on_device(device):
-        fn = _cuda.get_function(_SOURCE, "simota_prepare", _OPTIONS)
-        _cuda.launch(
-            fn,
-            (-(-A // _WARPS), B),
-            _BLOCK,
-            (*gts, p(cls), p(obj), p(cand), p(bg_sum), p(count), p(owner), p(out.num_fg),
-             *sizes, flags[0], flags[2]),
-        )  # fmt: skip
-        if G:
-            fn = _cuda.get_function(_SOURCE, "simota_select", _OPTIONS)
-            _cuda.launch(
-                fn,
-                B * G,
-                _BLOCK,
-                (*gts, p(pred), p(cls), p(obj), p(cand), p(bg_sum), p(count), p(owner),
-                 *sizes, *flags),
-            )  # fmt: skip
-        fn = _cuda.get_function(_SOURCE, "simota_resolve", _OPTIONS)
-        _cuda.launch(
-            fn,
-            (-(-A // _BLOCK), B),
-            _BLOCK,
-            (*gts, p(pred), p(cls), p(obj), p(bg_sum), p(count), p(owner), p(out.fg_mask),
-             p(out.matched_gt), p(out.matched_iou), p(out.num_fg), *sizes, *flags),
-        )  # fmt: skip
-    return tuple(out)
+    return launch_simota(
+        args, (B, G, A, C), center_radius, center_only, geometry_penalty, box_format
+    )
 
 
 def _fake(

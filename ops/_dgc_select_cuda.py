@@ -1,0 +1,153 @@
+"""The CUDA launcher of ``aiak::dgc_select`` (ops/dgc_select.py holds the checks, the
+reference and the op): fp32 ``x``, 8 launches of ops/kernels/dgc_select.cu (4 when no resample
+stop can happen), a workspace allocated once per (device, stream, sizes) and reused.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import torch
+
+from aiak.ops import _cuda
+
+_SOURCE = "dgc_select.cu"
+_TILE = 4096  # elements per tile of the counting and compaction passes (TILE in the .cu)
+_BLOCK = 256
+_NREG = 12  # thresholds the counting kernel keeps in registers (NREG in the .cu)
+_WCHUNK = 32  # tiles per block of the ordered write (WCHUNK in the .cu)
+
+
+def _capacity(k: int, tiles: int) -> int:
+    """Candidate slots per tile: 8x the mean selected per tile, in [64, 1024], a multiple of 32."""
+    want = -(-8 * k // tiles)
+    return min(1024, max(64, -(-want // 32) * 32))
+
+
+def _r16(nbytes: int) -> int:
+    return (nbytes + 15) & ~15
+
+
+def _workspace_bytes(m: int, tiles: int, nthr: int, cap: int) -> int:
+    """Bytes of the workspace: the layout of ``carve`` in dgc_select.cu."""
+    fixed = 256 + 2048 * 8 + 256 * 8 + 3 * 256 * 4  # plan, histogram, totals, 3 tables
+    per = 2 * _r16(4 * m) + _r16(4 * nthr * tiles) + 3 * _r16(4 * tiles)
+    return fixed + per + _r16(4 * tiles * cap) + _r16(2 * tiles * cap)
+
+
+class _Workspace:
+    """One zeroed buffer, its launch geometry and kernels, for (device, stream, n, m, nthr, cap)."""
+
+    __slots__ = ("buf", "fns", "geom", "grids")
+
+    def __init__(self, dev: torch.device, n: int, m: int, nthr: int, cap: int) -> None:
+        import numpy as np
+
+        tiles = -(-n // _TILE)
+        nbytes = _workspace_bytes(m, tiles, nthr, cap)
+        # zeroed once: every call leaves its counters, histograms and totals zero again
+        self.buf = torch.zeros(-(-nbytes // 8), dtype=torch.int64, device=dev)
+        sms = _cuda.num_sms(torch.cuda.current_device())
+        self.geom = (
+            _cuda.ptr(self.buf),
+            np.int64(n),
+            np.int64(m),
+            np.int64(tiles),
+            np.int32(nthr),
+            np.int32(cap),
+        )
+        self.grids = (
+            max(1, min(-(-m // (4 * _BLOCK)), 4 * sms)),  # sample_hist: 4 gathers per thread
+            max(1, min(-(-m // _BLOCK), 4 * sms)),  # sample_finish
+            min(tiles, 4 * sms),  # count, exact_hist, exact_counts: tiles in a grid stride
+            -(-tiles // _WCHUNK),  # write
+        )
+        count = "dgc_count_reg" if nthr <= _NREG else "dgc_count_search"
+        self.fns = {
+            name: _cuda.get_function(_SOURCE, name)
+            for name in (
+                "dgc_sample_hist",
+                "dgc_sample_finish",
+                "dgc_exact_hist",
+                "dgc_exact_counts",
+                "dgc_write",
+            )
+        }
+        self.fns["count"] = _cuda.get_function(_SOURCE, count)
+
+
+# Workspaces are kept per (device, stream, n, num_samples, thresholds, capacity): a DGC hook
+# calls the op with the same sizes every step, and two streams never share one (the kernels
+# keep counters in it). At most _WS_KEEP of them; the least recently used is dropped first.
+_WS_KEEP = 64
+_workspaces: OrderedDict[tuple, _Workspace] = OrderedDict()
+_ws_lock = threading.Lock()
+
+
+def _workspace(dev: torch.device, n: int, m: int, nthr: int, cap: int) -> _Workspace:
+    key = (dev.index, torch.cuda.current_stream(dev).cuda_stream, n, m, nthr, cap)
+    with _ws_lock:
+        ws = _workspaces.get(key)
+        if ws is not None:
+            _workspaces.move_to_end(key)
+            return ws
+    ws = _Workspace(dev, n, m, nthr, cap)
+    with _ws_lock:
+        _workspaces[key] = ws
+        while len(_workspaces) > _WS_KEEP:
+            _workspaces.popitem(last=False)
+    return ws
+
+
+def launch_select(
+    x: torch.Tensor,
+    k: int,
+    num_samples: int,
+    sample_start: int,
+    sample_stride: int,
+    sample_indices: torch.Tensor | None,
+    upper: float,
+    lower: float,
+    iters: int,
+    resample: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, indices)`` of checked, fp32, CUDA ``x`` with ``k >= 1``."""
+    import numpy as np  # only on the CUDA path: `import aiak.ops` stays free of numpy
+
+    n = x.numel()
+    dev = x.device
+    m = num_samples
+    tiles = -(-n // _TILE)
+    nthr = iters + 1 if resample else (iters + 1) * (iters + 2) // 2
+    # every slot is written by dgc_write: the selected entries, then the (-1, 0) padding
+    values = torch.empty(k, dtype=x.dtype, device=dev)
+    indices = torch.empty(k, dtype=torch.int64, device=dev)
+    if sample_indices is not None:
+        sample_indices = sample_indices.contiguous()
+    p = _cuda.ptr
+    px = p(x)
+    vec = np.int32(1 if x.data_ptr() % 16 == 0 else 0)  # float4 loads need 16-byte alignment
+    ks = min(m, max(1, (m * k + n - 1) // n))
+    with _cuda.on_device(dev):
+        ws = _workspace(dev, n, m, nthr, _capacity(k, tiles))
+        f, geom, (g_hist, g_finish, g_tiles, g_write) = ws.fns, ws.geom, ws.grids
+        up, lo = np.float64(upper), np.float64(lower)
+        it, rs = np.int32(iters), np.int32(1 if resample else 0)
+        launch = _cuda.launch
+        launch(
+            f["dgc_sample_hist"], g_hist, _BLOCK,
+            (px, p(sample_indices), *geom, np.int64(sample_start), np.int64(sample_stride),
+             np.int64(ks)),
+        )  # fmt: skip
+        launch(f["dgc_sample_finish"], g_finish, _BLOCK, (*geom, up, lo, it, rs))
+        launch(f["count"], g_tiles, _BLOCK, (px, *geom, vec, np.int64(k), up, lo, it, rs))
+        if resample and iters > 0:  # exact top-k after a resample stop, gated on the device
+            for digit in range(3):
+                launch(f["dgc_exact_hist"], g_tiles, _BLOCK, (px, *geom, vec, np.int32(digit)))
+            launch(f["dgc_exact_counts"], g_tiles, _BLOCK, (px, *geom, vec))
+        launch(
+            f["dgc_write"], g_write, _BLOCK,
+            (px, *geom, vec, np.int64(k), p(values), p(indices)),
+        )  # fmt: skip
+    return values, indices

@@ -1,0 +1,86 @@
+"""The CUDA launcher of ``aiak::simota_assign`` (ops/simota.py holds the checks, the reference
+and the op): three launches of ops/kernels/simota.cu on float32 inputs, with a torch-allocated
+workspace; nothing waits for the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from aiak.ops import _cuda
+
+_SOURCE = "simota.cu"
+# --fmad=false: products and sums round one by one, as in the reference (no contraction).
+_OPTIONS = ("-std=c++17", "--fmad=false")
+_BLOCK = 256
+_WARPS = _BLOCK // 32
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float32).contiguous()
+
+
+def launch_simota(
+    args: tuple[torch.Tensor, ...],
+    sizes: tuple[int, int, int, int],
+    center_radius: float,
+    center_only: bool,
+    geometry_penalty: bool,
+    box_format: str,
+) -> tuple[torch.Tensor, ...]:
+    """``(fg_mask, matched_gt, matched_iou, num_fg)`` of checked CUDA ``args`` (the op's eight
+    tensors in schema order) of sizes ``(B, G, A, C)``."""
+    import numpy as np  # only on the CUDA path: `import aiak.ops` stays free of numpy
+
+    gt_boxes, gt_classes, gt_valid, anchor_centers, anchor_strides, pred_boxes = args[:6]
+    cls_logits, obj_logits = args[6:]
+    B, G, A, C = sizes
+    device = gt_boxes.device
+    fg_mask = torch.empty(B, A, dtype=torch.bool, device=device)
+    matched_gt = torch.empty(B, A, dtype=torch.int64, device=device)
+    matched_iou = torch.empty(B, A, dtype=torch.float32, device=device)
+    num_fg = torch.empty(B, dtype=torch.int64, device=device)
+    out = (fg_mask, matched_gt, matched_iou, num_fg)
+    if B == 0 or A == 0:
+        num_fg.zero_()
+        return out
+    boxes, pred = _f32(gt_boxes), _f32(pred_boxes)
+    cls, obj = _f32(cls_logits), _f32(obj_logits)
+    centers, strides = _f32(anchor_centers), _f32(anchor_strides)
+    classes = gt_classes.to(torch.int64).contiguous()
+    valid = gt_valid.contiguous()
+    cand = torch.empty(B, A, dtype=torch.uint8, device=device)
+    bg_sum = torch.empty(B, A, dtype=torch.float64, device=device)
+    count = torch.empty(B, A, dtype=torch.int32, device=device)
+    owner = torch.empty(B, A, dtype=torch.int32, device=device)
+    p = _cuda.ptr
+    dims = (np.int32(B), np.int32(G), np.int32(A), np.int32(C), np.float64(center_radius))
+    flags = (np.int32(center_only), np.int32(geometry_penalty), np.int32(box_format == "xyxy"))
+    gts = (p(boxes), p(classes), p(valid), p(centers), p(strides))
+    with _cuda.on_device(device):
+        fn = _cuda.get_function(_SOURCE, "simota_prepare", _OPTIONS)
+        _cuda.launch(
+            fn,
+            (-(-A // _WARPS), B),
+            _BLOCK,
+            (*gts, p(cls), p(obj), p(cand), p(bg_sum), p(count), p(owner), p(num_fg),
+             *dims, flags[0], flags[2]),
+        )  # fmt: skip
+        if G:
+            fn = _cuda.get_function(_SOURCE, "simota_select", _OPTIONS)
+            _cuda.launch(
+                fn,
+                B * G,
+                _BLOCK,
+                (*gts, p(pred), p(cls), p(obj), p(cand), p(bg_sum), p(count), p(owner),
+                 *dims, *flags),
+            )  # fmt: skip
+        fn = _cuda.get_function(_SOURCE, "simota_resolve", _OPTIONS)
+        _cuda.launch(
+            fn,
+            (-(-A // _BLOCK), B),
+            _BLOCK,
+            (*gts, p(pred), p(cls), p(obj), p(bg_sum), p(count), p(owner), p(fg_mask),
+             p(matched_gt), p(matched_iou), p(num_fg), *dims, *flags),
+        )  # fmt: skip
+    return out
