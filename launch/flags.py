@@ -133,7 +133,9 @@ def environment(args: argparse.Namespace, flags: Sequence[Flag] = FLAGS) -> dict
     if missing:
         raise ValueError(
             f"aiakrun: {', '.join(missing)}: not available in this version of aiak "
-            "(DGC and the backward/step overlap are not implemented yet)"
+            "from the launcher: DGC needs its DGCSGD optimizer and the overlap needs the "
+            "training script's optimizer, which activation cannot reach; use aiak.comm.dgc / "
+            "aiak.comm.overlap_step in the script (docs/dgc.md)"
         )
     env: dict[str, str] = {}
     for f in flags:
