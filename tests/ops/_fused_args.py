@@ -86,9 +86,13 @@ def assert_same(a, b, tol: dict[torch.dtype, float]) -> None:
     for name, x, y in zip(a._fields, a, b):
         xs = x if isinstance(x, list) else [x] if isinstance(x, torch.Tensor) else []
         ys = y if isinstance(y, list) else [y] if isinstance(y, torch.Tensor) else []
+        params = getattr(a, "params", None)
         for i, (u, v) in enumerate(zip(xs, ys)):
+            bound = tol.get(u.dtype, 1e-6)
+            if isinstance(x, list) and params is not None and i < len(params):
+                # fp32 per-param values (LAMB's updates) computed from a half param carry the
+                # param's rounding: the kernel and the reference round it in different places
+                bound = max(bound, tol.get(params[i].dtype, 1e-6))
             u, v = u.double().cpu(), v.double().cpu()
             err = (u - v).norm() / v.norm().clamp_min(1e-30)
-            assert err <= tol.get(x[i].dtype if isinstance(x, list) else x.dtype, 1e-6), (
-                f"{name}[{i}]: rel L2 error {err:.2e}"
-            )
+            assert err <= bound, f"{name}[{i}]: rel L2 error {err:.2e} > {bound:g}"
