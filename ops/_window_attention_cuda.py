@@ -6,13 +6,16 @@ and ``scalar`` (fp32 FMAs in shared memory, any GPU; the verified fallback).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import threading
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
 from aiak.ops import _cuda
 from aiak.ops._capability import Capability, declare, use_kernel
@@ -170,137 +173,209 @@ def _strides(t: torch.Tensor) -> tuple[Any, Any, Any]:
     return _i64(t.stride(0)), _i64(t.stride(1)), _i64(t.stride(2))
 
 
-def _attention_cuda_with(
-    kernel: str,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    bias: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float,
-) -> torch.Tensor:
-    """The forward on CUDA with the ``kernel`` pair (``"mma"`` or ``"scalar"``)."""
-    _check_attention(q, k, v, bias, mask, scale)
-    if kernel not in KERNEL_CHOICES:
-        raise ValueError(
-            f"window_attention: kernel must be one of {KERNEL_CHOICES}, got {kernel!r}"
-        )
-    if not _use_attention_kernel(q):
-        return _attention_reference(q, k, v, bias, mask, scale)
+# --------------------------------------------------------------------------------------------
+# Launch plans: everything about a launch that the inputs' metadata decides, computed once
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """One launch configuration: kernel function, grid, shared memory, the argument tail after
+    the pointers (strides, sizes), and what a call with this metadata must still do per call
+    (``align``: the q/k/v pointer bits that must be zero; bias/mask conversion to fp32)."""
+
+    fn: Any
+    grid: tuple[int, int]
+    smem: int
+    tail: tuple
+    device: int
+    align: int
+    bias_fp32: bool
+    mask_fp32: bool
+
+
+_PLANS: dict[tuple, _Plan] = {}
+
+
+def _meta(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.get_device())
+
+
+def _plan_key(kernel: str, backward: bool, q, k, v, bias, mask) -> tuple:
+    return (kernel, backward, _meta(q), _meta(k), _meta(v), _meta(bias), _meta(mask))
+
+
+def _ready32(t: torch.Tensor | None) -> bool:
+    return t is None or (t.dtype == torch.float32 and t.is_contiguous())
+
+
+def _make_plan(kernel: str, backward: bool, q, k, v, bias, mask) -> _Plan:
+    """The plan for checked inputs that need no copy of q, k or v (``kernel`` usable)."""
     windows, heads, n, d = q.shape
-    out = torch.empty((windows, heads, n, d), dtype=q.dtype, device=q.device)
-    if out.numel() == 0:
-        return out
-    prep = _mma_ready if kernel == "mma" else _last_dim_contiguous
-    q, k, v = (prep(t) for t in (q, k, v))
-    bias32, mask32 = _fp32_contiguous(bias), _fp32_contiguous(mask)
     nw = mask.shape[0] if mask is not None else 1
-    with _cuda.on_device(q.device):
-        args = (
-            *(_cuda.ptr(t) for t in (q, k, v, bias32, mask32, out)),
-            *_strides(q),
-            *_strides(k),
-            *_strides(v),
-            _cuda.i32(windows),
-            _cuda.i32(heads),
-            _cuda.i32(n),
-            _cuda.i32(nw),
-            _f32(scale),
-        )
-        if kernel == "mma":
-            smem = _mma_smem_bytes(d, backward=False)
-            fn = _kernel("mma_fwd", q.dtype, d, smem)
-            grid = (_mma_blocks(fn, windows, heads, nw, smem), heads)
-        else:
-            smem = 4 * _smem_floats(n, d, backward=False)
-            fn = _kernel("fwd", q.dtype, d, smem)
-            grid = (windows, heads)
-        _cuda.launch(fn, grid, _THREADS, args, shared_mem=smem)
-    return out
-
-
-def _attention_backward_cuda_with(
-    kernel: str,
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    bias: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward on CUDA with the ``kernel`` pair (``"mma"`` or ``"scalar"``)."""
-    _check_attention(q, k, v, bias, mask, scale)
-    if kernel not in KERNEL_CHOICES:
-        raise ValueError(
-            f"window_attention: kernel must be one of {KERNEL_CHOICES}, got {kernel!r}"
-        )
-    if dout.shape != q.shape:
-        raise ValueError(f"window_attention: grad has shape {tuple(dout.shape)}, not {q.shape}")
-    if not _use_attention_kernel(q):
-        return _attention_backward_reference(dout, q, k, v, bias, mask, scale)
-    windows, heads, n, d = q.shape
-    dq, dk, dv = (
-        torch.empty((windows, heads, n, d), dtype=q.dtype, device=q.device) for _ in "qkv"
-    )
-    dbias = torch.zeros((heads, n, n), dtype=torch.float32, device=q.device)
-    if dq.numel() == 0:
-        return dq, dk, dv, dbias.to(bias.dtype)
-    dout = dout.to(q.dtype).contiguous()
+    tail = (*_strides(q), *_strides(k), *_strides(v))
+    tail += (_cuda.i32(windows), _cuda.i32(heads), _cuda.i32(n), _cuda.i32(nw))
     if kernel == "mma":
-        dout = _mma_ready(dout)
-        q, k, v = (_mma_ready(t) for t in (q, k, v))
+        smem = _mma_smem_bytes(d, backward)
+        fn = _kernel("mma_bwd" if backward else "mma_fwd", q.dtype, d, smem)
+        blocks = _mma_blocks(fn, windows, heads, nw, smem)
     else:
-        q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    bias32, mask32 = _fp32_contiguous(bias), _fp32_contiguous(mask)
-    nw = mask.shape[0] if mask is not None else 1
-    with _cuda.on_device(q.device):
-        args = (
-            *(_cuda.ptr(t) for t in (dout, q, k, v, bias32, mask32, dq, dk, dv, dbias)),
-            *_strides(q),
-            *_strides(k),
-            *_strides(v),
-            _cuda.i32(windows),
-            _cuda.i32(heads),
-            _cuda.i32(n),
-            _cuda.i32(nw),
-            _f32(scale),
-        )
-        if kernel == "mma":
-            smem = _mma_smem_bytes(d, backward=True)
-            fn = _kernel("mma_bwd", q.dtype, d, smem)
-            blocks = _mma_blocks(fn, windows, heads, nw, smem)
-        else:
-            smem = 4 * _smem_floats(n, d, backward=True)
-            fn = _kernel("bwd", q.dtype, d, smem)
+        smem = 4 * _smem_floats(n, d, backward)
+        fn = _kernel("bwd" if backward else "fwd", q.dtype, d, smem)
+        blocks = windows
+        if backward:
             # Each block loops over windows of one head and adds its bias gradient once: about
             # eight blocks per SM in all keeps the atomics' contention at G-way, not B_-way.
             sms = _cuda.num_sms(torch.cuda.current_device())
             blocks = max(1, min(windows, (8 * sms) // heads))
-        _cuda.launch(fn, (blocks, heads), _THREADS, args, shared_mem=smem)
-    return dq, dk, dv, dbias.to(bias.dtype)
+    return _Plan(
+        fn,
+        (blocks, heads),
+        smem,
+        tail,
+        torch.cuda.current_device(),
+        15 if kernel == "mma" else 0,
+        _ready32(bias),
+        _ready32(mask),
+    )
 
 
-def _attention_cuda(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    bias: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float,
-) -> torch.Tensor:
-    kernel = attention_kernel(q.device) if q.device.type == "cuda" else DEFAULT_KERNEL
+def _prepared(kernel: str, backward: bool, q, k, v, bias, mask) -> tuple[_Plan, tuple]:
+    """The plan and q, k, v for checked inputs on the kernel path (copies where the kernel
+    cannot read a view; plans of copy-free metadata are cached)."""
+    prep = _mma_ready if kernel == "mma" else _last_dim_contiguous
+    ready = tuple(prep(t) for t in (q, k, v))
+    key = _plan_key(kernel, backward, *ready, bias, mask)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _make_plan(kernel, backward, *ready, bias, mask)
+        if all(a is b for a, b in zip(ready, (q, k, v))):
+            _PLANS[key] = plan
+    return plan, ready
+
+
+def _cached(kernel: str, dout, q, k, v, bias, mask, scale) -> _Plan | None:
+    """The cached plan when this call can use it as is: the inputs' metadata was checked
+    before (it is the key), the kernel is still enabled, same device, pointers aligned."""
+    plan = _PLANS.get(_plan_key(kernel, dout is not None, q, k, v, bias, mask))
+    if (
+        plan is None
+        or type(scale) is not float
+        or (dout is not None and (dout.shape != q.shape or dout.dtype != q.dtype))
+        or (q.data_ptr() | k.data_ptr() | v.data_ptr()) & plan.align
+        or plan.device != torch.cuda.current_device()
+        or _cuda.kernels_disabled()
+    ):
+        return None
+    return plan
+
+
+def _launch(plan: _Plan, tensors: tuple, scale: float) -> None:
+    args = (*(_cuda.ptr(t) for t in tensors), *plan.tail, _f32(scale))
+    _cuda.launch(plan.fn, plan.grid, _THREADS, args, shared_mem=plan.smem)
+
+
+def _fp32(t: torch.Tensor | None, ready: bool) -> torch.Tensor | None:
+    return t if ready else _fp32_contiguous(t)
+
+
+def _check_kernel(kernel: str) -> None:
+    if kernel not in KERNEL_CHOICES:
+        raise ValueError(
+            f"window_attention: kernel must be one of {KERNEL_CHOICES}, got {kernel!r}"
+        )
+
+
+def _attention_cuda_with(kernel, q, k, v, bias, mask, scale) -> torch.Tensor:
+    """The forward on CUDA with the ``kernel`` pair (``"mma"`` or ``"scalar"``)."""
+    plan = _cached(kernel, None, q, k, v, bias, mask, scale)
+    if plan is None:
+        _check_attention(q, k, v, bias, mask, scale)
+        _check_kernel(kernel)
+        if not _use_attention_kernel(q):
+            return _attention_reference(q, k, v, bias, mask, scale)
+        if q.numel() == 0:
+            return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        with _cuda.on_device(q.device):
+            plan, (q, k, v) = _prepared(kernel, False, q, k, v, bias, mask)
+            return _forward(plan, q, k, v, bias, mask, scale)
+    return _forward(plan, q, k, v, bias, mask, scale)
+
+
+def _forward(plan: _Plan, q, k, v, bias, mask, scale) -> torch.Tensor:
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    bias32, mask32 = _fp32(bias, plan.bias_fp32), _fp32(mask, plan.mask_fp32)
+    _launch(plan, (q, k, v, bias32, mask32, out), scale)
+    return out
+
+
+def _attention_backward_cuda_with(kernel, dout, q, k, v, bias, mask, scale) -> tuple:
+    """The backward on CUDA with the ``kernel`` pair (``"mma"`` or ``"scalar"``)."""
+    plan = _cached(kernel, dout, q, k, v, bias, mask, scale)
+    if plan is None:
+        _check_attention(q, k, v, bias, mask, scale)
+        _check_kernel(kernel)
+        if dout.shape != q.shape:
+            raise ValueError(
+                f"window_attention: grad has shape {tuple(dout.shape)}, not {tuple(q.shape)}"
+            )
+        if not _use_attention_kernel(q):
+            return _attention_backward_reference(dout, q, k, v, bias, mask, scale)
+        if q.numel() == 0:
+            grads = tuple(torch.empty(q.shape, dtype=q.dtype, device=q.device) for _ in "qkv")
+            return (*grads, torch.zeros(bias.shape, dtype=bias.dtype, device=q.device))
+        with _cuda.on_device(q.device):
+            plan, (q, k, v) = _prepared(kernel, True, q, k, v, bias, mask)
+            return _backward(plan, dout.to(q.dtype), q, k, v, bias, mask, scale)
+    return _backward(plan, dout, q, k, v, bias, mask, scale)
+
+
+def _backward(plan: _Plan, dout, q, k, v, bias, mask, scale) -> tuple:
+    dout = dout.contiguous()  # autograd's grad of a transposed output is a strided view
+    if dout.data_ptr() & plan.align:
+        dout = dout.clone()
+    dq, dk, dv = (torch.empty_like(q, memory_format=torch.contiguous_format) for _ in "qkv")
+    dbias = torch.zeros(bias.shape, dtype=torch.float32, device=dq.device)
+    bias32, mask32 = _fp32(bias, plan.bias_fp32), _fp32(mask, plan.mask_fp32)
+    _launch(plan, (dout, q, k, v, bias32, mask32, dq, dk, dv, dbias), scale)
+    return dq, dk, dv, dbias if bias.dtype == torch.float32 else dbias.to(bias.dtype)
+
+
+def _attention_cuda(q, k, v, bias, mask, scale) -> torch.Tensor:
+    kernel = attention_kernel(q.device) if q.is_cuda else DEFAULT_KERNEL
     return _attention_cuda_with(kernel, q, k, v, bias, mask, scale)
 
 
-def _attention_backward_cuda(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    bias: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    kernel = attention_kernel(q.device) if q.device.type == "cuda" else DEFAULT_KERNEL
+def _attention_backward_cuda(dout, q, k, v, bias, mask, scale) -> tuple:
+    kernel = attention_kernel(q.device) if q.is_cuda else DEFAULT_KERNEL
     return _attention_backward_cuda_with(kernel, dout, q, k, v, bias, mask, scale)
+
+
+def eager_on(device_type: str) -> Callable[[torch.Tensor], bool]:
+    """The eager path's predicate for tensors of ``device_type`` (CPU stands in for CUDA in
+    benchmarks/profile_window_attention_host.py)."""
+
+    def eager(t: torch.Tensor) -> bool:
+        return (
+            type(t) in _PLAIN
+            and t.device.type == device_type
+            and not torch.compiler.is_compiling()
+            and _current_dispatch_mode() is None
+        )
+
+    return eager
+
+
+def eager(t: torch.Tensor) -> bool:
+    """True when a call on ``t`` needs nothing of the dispatcher: a plain CUDA tensor, no
+    ``torch.compile`` tracing, no ``TorchDispatchMode`` (fake tensors, functionalization).
+    Then the public functions run their kernels under a ``torch.autograd.Function``."""
+    return (
+        type(t) in _PLAIN
+        and t.is_cuda
+        and not torch.compiler.is_compiling()
+        and _current_dispatch_mode() is None
+    )
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from aiak.ops import _window_attention_cuda as _wac
 from aiak.ops._registry import define
 from aiak.ops._window_attention_cuda import (
     DEFAULT_KERNEL,
@@ -91,6 +92,27 @@ torch.library.register_autograd(
 )
 
 
+class _EagerAttention(torch.autograd.Function):
+    """The op's autograd formula with the CUDA launchers called directly: the eager path.
+
+    The same launchers as the op's CUDA kernels (so the same numbers), without the
+    dispatcher's per-call Python (schema defaults, ``register_autograd``'s wrappers, the
+    backward op's own dispatch). ``torch.compile``, fake tensors and ``opcheck`` use the op.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, mask, scale):
+        ctx.save_for_backward(q, k, v, bias, mask)
+        ctx.scale = scale
+        return _attention_cuda(q, k, v, bias, mask, scale)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, bias, mask = ctx.saved_tensors
+        dq, dk, dv, dbias = _attention_backward_cuda(grad, q, k, v, bias, mask, ctx.scale)
+        return dq, dk, dv, dbias, None, None
+
+
 def window_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -118,4 +140,6 @@ def window_attention(
         raise ValueError("window_attention: mask must not require grad (it is a constant)")
     if not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise TypeError(f"window_attention: scale must be a number, got {type(scale).__name__}")
+    if _wac.eager(q):
+        return _EagerAttention.apply(q, k, v, bias, mask, float(scale))
     return ATTENTION_OP(q, k, v, bias, mask, float(scale))

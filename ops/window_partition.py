@@ -13,6 +13,7 @@ import math
 import torch
 
 from aiak.ops import _cuda
+from aiak.ops import _window_attention_cuda as _wac
 from aiak.ops._capability import Capability, declare, use_kernel
 from aiak.ops._registry import define
 from aiak.ops._window_attention_cuda import SOURCE, _i64
@@ -202,6 +203,31 @@ torch.library.register_autograd(
 )
 
 
+class _EagerPartition(torch.autograd.Function):
+    """The op and its gradient with the gather launched directly (the eager path; see
+    ``window_attention._EagerAttention``)."""
+
+    @staticmethod
+    def forward(ctx, x, window, shift):
+        ctx.hw, ctx.shift = (x.shape[1], x.shape[2]), shift
+        return _partition_cuda(x, window, shift)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _merge_cuda(grad, *ctx.hw, ctx.shift), None, None
+
+
+class _EagerMerge(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, windows, h, w, shift):
+        ctx.window, ctx.shift = _window_size(windows), shift
+        return _merge_cuda(windows, h, w, shift)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _partition_cuda(grad, ctx.window, ctx.shift), None, None, None
+
+
 def roll_window_partition(x: torch.Tensor, window: int, shift: int = 0) -> torch.Tensor:
     """``[B, H, W, C]`` -> ``[B*nW, window*window, C]``: ``torch.roll`` by ``-shift`` on H and W,
     then Swin's window partition, in one gather."""
@@ -210,6 +236,8 @@ def roll_window_partition(x: torch.Tensor, window: int, shift: int = 0) -> torch
     _check_geometry("roll_window_partition", 1, 1, 1, shift)
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
         raise ValueError(f"roll_window_partition: window must be a positive int, got {window!r}")
+    if _wac.eager(x):
+        return _EagerPartition.apply(x, window, shift)
     return PARTITION_OP(x, window, shift)
 
 
@@ -221,4 +249,6 @@ def window_merge_roll(windows: torch.Tensor, H: int, W: int, shift: int = 0) -> 
             f"window_merge_roll: windows must be a Tensor, got {type(windows).__name__}"
         )
     _check_geometry("window_merge_roll", 1, 1, 1, shift)
+    if _wac.eager(windows):
+        return _EagerMerge.apply(windows, H, W, shift)
     return MERGE_OP(windows, H, W, shift)
