@@ -94,30 +94,26 @@ def _gather_cuda(
 ) -> None:
     if dst.numel() == 0:
         return
-    row = src.shape[-1] * src.element_size()  # bytes per token
-    unit = next(
-        u
-        for u in (16, 8, 4, 2, 1)
-        if row % u == 0 and src.data_ptr() % u == 0 and dst.data_ptr() % u == 0
-    )
-    units = row // unit
-    total = dst.numel() * dst.element_size() // unit
+    ptrs = src.data_ptr() | dst.data_ptr()
+    key = (src.shape, dst.numel(), src.dtype, h, w, ws, shift, merge, ptrs & 15)
     with _cuda.on_device(src.device):
-        fn = _cuda.get_function(SOURCE, f"window_gather_{unit}")
-        blocks = max(1, min(-(-total // 256), 32 * _cuda.num_sms(torch.cuda.current_device())))
-        args = (
-            _cuda.ptr(src),
-            _cuda.ptr(dst),
-            _cuda.i32(h),
-            _cuda.i32(w),
-            _cuda.i32(ws),
-            _cuda.i32(shift % h),
-            _cuda.i32(shift % w),
-            _i64(units),
-            _i64(total),
-            _cuda.i32(int(merge)),
-        )
-        _cuda.launch(fn, blocks, 256, args)
+        device = torch.cuda.current_device()
+        plan = _GATHERS.get((*key, device))
+        if plan is None:
+            row = src.shape[-1] * src.element_size()  # bytes per token
+            unit = next(u for u in (16, 8, 4, 2, 1) if row % u == 0 and ptrs % u == 0)
+            total = dst.numel() * dst.element_size() // unit
+            fn = _cuda.get_function(SOURCE, f"window_gather_{unit}")
+            blocks = max(1, min(-(-total // 256), 32 * _cuda.num_sms(device)))
+            ints = (h, w, ws, shift % h, shift % w)
+            tail = (*map(_cuda.i32, ints), _i64(row // unit), _i64(total), _cuda.i32(int(merge)))
+            plan = _GATHERS[(*key, device)] = (fn, blocks, tail)
+        fn, blocks, tail = plan
+        _cuda.launch(fn, blocks, 256, (_cuda.ptr(src), _cuda.ptr(dst), *tail))
+
+
+# (src shape, dst numel, dtype, geometry, direction, pointer bits, device) -> launch plan
+_GATHERS: dict[tuple, tuple] = {}
 
 
 def _partition_cuda(x: torch.Tensor, window: int, shift: int) -> torch.Tensor:

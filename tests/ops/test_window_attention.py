@@ -624,3 +624,80 @@ def test_literal_helpers_agree():  # the test's own ground truth is consistent
     assert m.shape == (4, 49, 49) and set(m.unique().tolist()) <= {0.0, -100.0}
     assert math.isclose(float(m[0].abs().sum()), 0.0)  # the top-left window is unmasked
     assert list(itertools.islice(rel_index(2).flatten().tolist(), 4)) == [4, 3, 1, 0]
+
+
+# ------------------------------------------------------------------------------------------
+# the eager path (autograd.Function calling the launchers) against the op's dispatcher path
+# ------------------------------------------------------------------------------------------
+
+
+def _both_paths(fn, leaves, grad):
+    """(outputs, grads) of ``fn`` on fresh copies of ``leaves``, backward with ``grad``."""
+    leaves = [t.detach().clone().requires_grad_() for t in leaves]
+    out = fn(*leaves)
+    out.backward(grad)
+    return out, [t.grad for t in leaves]
+
+
+def _eager_vs_op(device, dtype, monkeypatch, exact_bias):
+    q, k, v, bias, mask = inputs(8, 3, 49, 32, 4, dtype=dtype, device=device)
+    bias = bias.float()
+    dout = torch.randn_like(q)
+    calls = []
+    real = wa._EagerAttention.apply
+    monkeypatch.setattr(wa._EagerAttention, "apply", lambda *a: calls.append(1) or real(*a))
+    eager = _both_paths(lambda *t: window_attention(*t, mask, 0.2), (q, k, v, bias), dout)
+    assert calls, "the eager path did not run"
+    op = _both_paths(lambda *t: wa.ATTENTION_OP.overload(*t, mask, 0.2), (q, k, v, bias), dout)
+    assert torch.equal(eager[0], op[0])
+    for name, a, b in zip(("dq", "dk", "dv", "dbias"), eager[1], op[1]):
+        assert a.dtype == b.dtype, name
+        if name != "dbias" or exact_bias:
+            assert torch.equal(a, b), name
+        else:  # the kernel sums the bias gradient with fp32 atomics: order varies by run
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    x = torch.randn(2, 14, 14, 6, device=device).to(dtype)
+    gx = torch.randn(8, 49, 6, device=device).to(dtype)
+    a = _both_paths(lambda t: roll_window_partition(t, 7, 3), (x,), gx)
+    b = _both_paths(lambda t: wp.PARTITION_OP.overload(t, 7, 3), (x,), gx)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1][0], b[1][0])
+    a = _both_paths(lambda t: window_merge_roll(t, 14, 14, 3), (gx,), x)
+    b = _both_paths(lambda t: wp.MERGE_OP.overload(t, 14, 14, 3), (gx,), x)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1][0], b[1][0])
+
+
+def test_eager_path_matches_op_path_cpu(monkeypatch):
+    # CPU tensors take the eager branch as CUDA ones would: the Function's wiring (saved
+    # tensors, gradient order, None for mask and scale) against register_autograd's
+    monkeypatch.setattr(wac, "eager", wac.eager_on("cpu"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the CPU fallback's one-time warning
+        _eager_vs_op("cpu", torch.float32, monkeypatch, exact_bias=True)
+
+
+def test_eager_path_is_skipped_under_tracing_and_for_cpu():
+    q = torch.randn(1, 1, 4, 32)
+    assert not wac.eager(q)  # CPU: the op (its reference)
+    with torch._subclasses.fake_tensor.FakeTensorMode():
+        assert not wac.eager_on("cpu")(torch.empty(1))
+
+
+def test_cached_plan_needs_the_same_metadata():
+    # a plan is keyed on every input's shape, strides, dtype and device: anything else is a miss
+    q, k, v, bias, mask = inputs(4, 2, 49, 32, 2, dtype=torch.float16)
+    key = wac._plan_key("mma", False, q, k, v, bias, mask)
+    assert key == wac._plan_key("mma", False, q.clone(), k, v, bias, mask)
+    for other in (
+        wac._plan_key("mma", True, q, k, v, bias, mask),
+        wac._plan_key("mma", False, q, k, v, bias, None),
+        wac._plan_key("mma", False, q, k.transpose(2, 3), v, bias, mask),
+        wac._plan_key("mma", False, q, k, v, bias.float(), mask),
+        wac._plan_key("scalar", False, q, k, v, bias, mask),
+    ):
+        assert other != key
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_eager_path_matches_op_path_cuda(dtype, monkeypatch):
+    _eager_vs_op("cuda", dtype, monkeypatch, exact_bias=False)
