@@ -29,8 +29,7 @@ from _harness import append_csv, copy_bandwidth, print_table, time_graph, time_p
 
 import aiak.amp as amp
 from aiak.ops import swin
-from aiak.ops import window_attention as wa
-from aiak.ops.window_attention import window_attention
+from aiak.ops.window_attention import KERNEL_ENV, window_attention
 from aiak.optim import FusedSGD
 
 STAGES = (("stage1", 3, 64), ("stage2", 6, 16), ("stage3", 12, 4), ("stage4", 24, 1))
@@ -60,16 +59,16 @@ def _ours(q, k, v, bias, mask, scale):
 @contextlib.contextmanager
 def _kernel(kernel: str | None):
     """Run the op's ``kernel`` pair inside (None: leave the choice as it is)."""
-    old = os.environ.get(wa.KERNEL_ENV)
+    old = os.environ.get(KERNEL_ENV)
     if kernel is not None:
-        os.environ[wa.KERNEL_ENV] = kernel
+        os.environ[KERNEL_ENV] = kernel
     try:
         yield
     finally:
         if old is None:
-            os.environ.pop(wa.KERNEL_ENV, None)
+            os.environ.pop(KERNEL_ENV, None)
         else:
-            os.environ[wa.KERNEL_ENV] = old
+            os.environ[KERNEL_ENV] = old
 
 
 def _time(fn) -> float:

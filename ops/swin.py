@@ -54,10 +54,15 @@ class FusedWindowAttention(nn.Module):
         )
 
     def relative_position_bias(self) -> torch.Tensor:
-        """``[nH, N, N]``: the table gathered by the index, as timm computes it."""
+        """``[nH, N, N]``: the table gathered by the index, the values timm computes.
+
+        One ``index_select`` along the transposed table writes ``[nH, N*N]`` in the kernel's
+        layout directly (timm's ``table[index]`` then ``.permute().contiguous()`` is two
+        kernels forward and a sort-based ``index_put_`` backward)."""
         n = self.window_area
-        bias = self.relative_position_bias_table[self.relative_position_index.view(-1)]
-        return bias.view(n, n, -1).permute(2, 0, 1).contiguous()
+        table = self.relative_position_bias_table
+        bias = table.t().index_select(1, self.relative_position_index.view(-1))
+        return bias.view(-1, n, n)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         windows, n, _ = x.shape

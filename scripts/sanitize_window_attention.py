@@ -16,14 +16,16 @@ import sys
 
 import torch
 
-from aiak.ops import window_attention as wa
+from aiak.ops import _window_attention_cuda as wac
+from aiak.ops import _window_attention_ref as war
+from aiak.ops import window_partition as wp
 
 
 def main() -> int:
     torch.manual_seed(0)
     bad = 0
     cases = [  # (kernels, dtype, windows, heads, n, d, nW)
-        (wa.KERNEL_CHOICES, dtype, 8, 2, n, d, nw)
+        (wac.KERNEL_CHOICES, dtype, 8, 2, n, d, nw)
         for dtype in (torch.float16, torch.bfloat16)
         for n, d, nw in ((49, 32, 4), (64, 64, None), (13, 32, 2))
     ]
@@ -35,11 +37,11 @@ def main() -> int:
             q, k, v = x.permute(2, 0, 3, 1, 4).unbind(0)
             bias = torch.randn(heads, n, n, device="cuda")
             mask = torch.randn(nw, n, n, device="cuda") if nw else None
-            out = wa._attention_cuda_with(kernel, q, k, v, bias, mask, 0.2)
-            ref = wa._attention_reference(q, k, v, bias, mask, 0.2)
+            out = wac._attention_cuda_with(kernel, q, k, v, bias, mask, 0.2)
+            ref = war._attention_reference(q, k, v, bias, mask, 0.2)
             dout = torch.randn_like(out)
-            got = wa._attention_backward_cuda_with(kernel, dout, q, k, v, bias, mask, 0.2)
-            want = wa._attention_backward_reference(dout, q, k, v, bias, mask, 0.2)
+            got = wac._attention_backward_cuda_with(kernel, dout, q, k, v, bias, mask, 0.2)
+            want = war._attention_backward_reference(dout, q, k, v, bias, mask, 0.2)
             pairs = [(out, ref), *zip(got, want)]
             for a, b in pairs:
                 err = ((a.float() - b.float()).norm() / b.float().norm()).item()
@@ -48,9 +50,9 @@ def main() -> int:
                     bad += 1
     for c in (8, 3):
         x = torch.randn(2, 14, 14, c, device="cuda", dtype=torch.float16)
-        win = wa._partition_cuda(x, 7, 3)
-        bad += not torch.equal(win, wa._partition_reference(x, 7, 3))
-        bad += not torch.equal(wa._merge_cuda(win, 14, 14, 3), x)
+        win = wp._partition_cuda(x, 7, 3)
+        bad += not torch.equal(win, wp._partition_reference(x, 7, 3))
+        bad += not torch.equal(wp._merge_cuda(win, 14, 14, 3), x)
     torch.cuda.synchronize()
     print("ok" if not bad else f"{bad} mismatches")
     return 1 if bad else 0

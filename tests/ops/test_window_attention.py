@@ -8,6 +8,7 @@ reference, and a real timm model when timm is installed.
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import math
 import warnings
@@ -17,9 +18,14 @@ import torch
 from torch import nn
 
 import aiak.ops  # noqa: F401
+from aiak.ops import _window_attention_cuda as wac
+from aiak.ops import _window_attention_ref as war
 from aiak.ops import swin
-from aiak.ops import window_attention as wa
+from aiak.ops import window_partition as wp
 from aiak.ops.window_attention import roll_window_partition, window_attention, window_merge_roll
+
+# the module, not the function aiak.ops exports under the same name
+wa = importlib.import_module("aiak.ops.window_attention")
 
 # ------------------------------------------------------------------------------------------
 # literal float64 implementations, loop by loop
@@ -189,11 +195,11 @@ def test_bad_inputs_name_the_argument():
 
 def test_unsupported_shapes_are_named():
     q = torch.empty(1, 1, 144, 48)
-    assert wa._shape_reasons(q) == [
+    assert war._shape_reasons(q) == [
         "window_attention: N = 144 tokens per window > 64",
         "window_attention: head_dim 48 not in (32, 64)",
     ]
-    assert wa._shape_reasons(torch.empty(1, 1, 49, 32)) == []
+    assert war._shape_reasons(torch.empty(1, 1, 49, 32)) == []
 
 
 def test_kernel_switch_is_read_and_checked(monkeypatch):
@@ -206,20 +212,20 @@ def test_kernel_switch_is_read_and_checked(monkeypatch):
     assert wa.DEFAULT_KERNEL in wa.KERNEL_CHOICES
     q, k, v, bias, _ = inputs(2, 1, 5, 32, dtype=torch.float16)
     with pytest.raises(ValueError, match="kernel must be one of"):
-        wa._attention_cuda_with("tensor", q, k, v, bias, None, 0.3)
+        wac._attention_cuda_with("tensor", q, k, v, bias, None, 0.3)
     with pytest.raises(ValueError, match="kernel must be one of"):
-        wa._attention_backward_cuda_with("tensor", q, q, k, v, bias, None, 0.3)
+        wac._attention_backward_cuda_with("tensor", q, q, k, v, bias, None, 0.3)
 
 
 def test_mma_shared_memory_fits_and_alignment_copies():
     # the kernels' layout (WM_* in the source): table + tiles (+ P and dS) within 227 KiB
-    assert wa._mma_smem_bytes(32, backward=False) == 64 * 72 * 4 + 3 * 64 * 40 * 2
-    assert wa._mma_smem_bytes(64, backward=True) == 64 * 72 * 4 + 4 * 64 * 72 * 2 + 64 * 72 * 4
-    assert max(wa._mma_smem_bytes(d, b) for d in (32, 64) for b in (False, True)) < 227 * 1024
+    assert wac._mma_smem_bytes(32, backward=False) == 64 * 72 * 4 + 3 * 64 * 40 * 2
+    assert wac._mma_smem_bytes(64, backward=True) == 64 * 72 * 4 + 4 * 64 * 72 * 2 + 64 * 72 * 4
+    assert max(wac._mma_smem_bytes(d, b) for d in (32, 64) for b in (False, True)) < 227 * 1024
     x = torch.randn(4, 3, 49, 3, 32, dtype=torch.float16).permute(3, 0, 1, 2, 4)[0]
-    assert wa._mma_ready(x) is x  # timm's qkv view: aligned, 8-element strides, no copy
+    assert wac._mma_ready(x) is x  # timm's qkv view: aligned, 8-element strides, no copy
     odd = torch.randn(4 * 3 * 49 * 33 + 1, dtype=torch.float16)[1:].view(4, 3, 49, 33)[..., :32]
-    fixed = wa._mma_ready(odd)
+    fixed = wac._mma_ready(odd)
     assert fixed is not odd and fixed.is_contiguous() and torch.equal(fixed, odd)
     assert fixed.data_ptr() % 16 == 0
 
@@ -229,15 +235,15 @@ def test_mma_grid_keeps_one_mask_per_block(monkeypatch, regs):
     # the mma kernels fold mask[g % nW] into each block's table once: G must be a multiple of nW
     # (and at most B*nW); one wave when nW x nH blocks fit at all
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(wa, "_sm_limits", lambda device: (228 * 1024, 65536))
-    monkeypatch.setattr(wa, "_num_regs", lambda fn, device: regs)
-    monkeypatch.setattr(wa._cuda, "num_sms", lambda device: 132)
+    monkeypatch.setattr(wac, "_sm_limits", lambda device: (228 * 1024, 65536))
+    monkeypatch.setattr(wac, "_num_regs", lambda fn, device: regs)
+    monkeypatch.setattr(wac._cuda, "num_sms", lambda device: 132)
     for d, backward in itertools.product((32, 64), (False, True)):
-        smem = wa._mma_smem_bytes(d, backward)
+        smem = wac._mma_smem_bytes(d, backward)
         per_sm = min(16, 65536 // (-(-regs // 8) * 8 * 128), 228 * 1024 // (smem + 1024))
         for batch, heads, nw in itertools.product((1, 3, 64, 4096), (3, 6, 12, 24), (1, 4, 16, 64)):
             windows = batch * nw
-            g = wa._mma_blocks(None, windows, heads, nw, smem)
+            g = wac._mma_blocks(None, windows, heads, nw, smem)
             assert g % nw == 0 and 0 < g <= windows
             if nw * heads <= per_sm * 132:
                 assert g * heads <= per_sm * 132
@@ -247,11 +253,11 @@ def test_cuda_entry_on_cpu_falls_back_with_one_warning():
     q, k, v, bias, mask = inputs(4, 2, 5, 8, 2, dtype=torch.float16)
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
-        a = wa._attention_cuda(q, k, v, bias, mask, 0.3)
-        b = wa._attention_cuda(q, k, v, bias, mask, 0.3)
+        a = wac._attention_cuda(q, k, v, bias, mask, 0.3)
+        b = wac._attention_cuda(q, k, v, bias, mask, 0.3)
     relevant = [w for w in rec if "window_attention" in str(w.message)]
     assert len(relevant) <= 1  # once per process (an earlier test may have used it up)
-    torch.testing.assert_close(a, wa._attention_reference(q, k, v, bias, mask, 0.3))
+    torch.testing.assert_close(a, war._attention_reference(q, k, v, bias, mask, 0.3))
     torch.testing.assert_close(a, b)
 
 
@@ -472,15 +478,15 @@ def test_kernel_matches_reference(kernel, windows, heads, n, d, nw, dtype):
     bias = bias.float()
     scale = d**-0.5
     exact = literal_attention(q, k, v, bias, mask, scale) if windows * heads <= 64 else None
-    ref = wa._attention_reference(q, k, v, bias, mask, scale)
-    out = wa._attention_cuda_with(kernel, q, k, v, bias, mask, scale)
+    ref = war._attention_reference(q, k, v, bias, mask, scale)
+    out = wac._attention_cuda_with(kernel, q, k, v, bias, mask, scale)
     assert out.dtype == dtype and torch.isfinite(out).all()
     assert _rel(out, ref) < HALF_TOL[dtype]
     if exact is not None:
         assert _rel(out, exact) < HALF_TOL[dtype]
     dout = torch.randn_like(q)
-    got = wa._attention_backward_cuda_with(kernel, dout, q, k, v, bias, mask, scale)
-    want = wa._attention_backward_reference(
+    got = wac._attention_backward_cuda_with(kernel, dout, q, k, v, bias, mask, scale)
+    want = war._attention_backward_reference(
         dout.double(), q.double(), k.double(), v.double(), bias.double(), mask, scale
     )
     for name, g, w in zip(("dq", "dk", "dv", "dbias"), got, want):
@@ -498,12 +504,12 @@ def test_kernel_reads_unaligned_and_strided_views(kernel):
     k, v = torch.randn(2, 6, 3, 49, 32, device="cuda", dtype=torch.float16).unbind(0)
     bias = torch.randn(3, 49, 49, device="cuda")
     mask = torch.where(torch.rand(2, 49, 49, device="cuda") < 0.3, -100.0, 0.0)
-    out = wa._attention_cuda_with(kernel, q, k, v, bias, mask, 0.2)
-    ref = wa._attention_reference(q.contiguous(), k, v, bias, mask, 0.2)
+    out = wac._attention_cuda_with(kernel, q, k, v, bias, mask, 0.2)
+    ref = war._attention_reference(q.contiguous(), k, v, bias, mask, 0.2)
     assert _rel(out, ref) < HALF_TOL[torch.float16]
     dout = torch.randn(6, 3, 49, 32, device="cuda", dtype=torch.float16)
-    got = wa._attention_backward_cuda_with(kernel, dout, q, k, v, bias, mask, 0.2)
-    want = wa._attention_backward_reference(dout, q.contiguous(), k, v, bias, mask, 0.2)
+    got = wac._attention_backward_cuda_with(kernel, dout, q, k, v, bias, mask, 0.2)
+    want = war._attention_backward_reference(dout, q.contiguous(), k, v, bias, mask, 0.2)
     for g, w in zip(got, want):
         assert _rel(g, w) < 2 * HALF_TOL[torch.float16]
 
@@ -512,7 +518,7 @@ def test_kernel_reads_unaligned_and_strided_views(kernel):
 def test_kernel_switch_routes_the_op(monkeypatch):
     q, k, v, bias, mask = inputs(32, 3, 49, 32, 4, dtype=torch.float16, device="cuda")
     bias = bias.float().requires_grad_()
-    ref = wa._attention_reference(q, k, v, bias, mask, 0.2)
+    ref = war._attention_reference(q, k, v, bias, mask, 0.2)
     outs = {}
     for kernel in wa.KERNEL_CHOICES:
         monkeypatch.setenv(wa.KERNEL_ENV, kernel)
@@ -531,8 +537,8 @@ def test_kernel_reads_strided_qkv_views(kernel):
     x = torch.randn(32, 49, 3, 3, 32, device="cuda", dtype=torch.float16)
     q, k, v = x.permute(2, 0, 3, 1, 4).unbind(0)
     bias = torch.randn(3, 49, 49, device="cuda")
-    out = wa._attention_cuda_with(kernel, q, k, v, bias, None, 0.2)
-    ref = wa._attention_reference(q.contiguous(), k.contiguous(), v.contiguous(), bias, None, 0.2)
+    out = wac._attention_cuda_with(kernel, q, k, v, bias, None, 0.2)
+    ref = war._attention_reference(q.contiguous(), k.contiguous(), v.contiguous(), bias, None, 0.2)
     assert _rel(out, ref) < HALF_TOL[torch.float16]
 
 
@@ -540,11 +546,11 @@ def test_kernel_reads_strided_qkv_views(kernel):
 def test_kernel_fallbacks_on_cuda():
     q, k, v, bias, mask = inputs(4, 2, 81, 48, 2, dtype=torch.float16, device="cuda")
     with pytest.warns(RuntimeWarning, match="head_dim 48"):
-        out = wa._attention_cuda(q, k, v, bias, mask, 0.3)
-    torch.testing.assert_close(out, wa._attention_reference(q, k, v, bias, mask, 0.3))
+        out = wac._attention_cuda(q, k, v, bias, mask, 0.3)
+    torch.testing.assert_close(out, war._attention_reference(q, k, v, bias, mask, 0.3))
     q32, k32, v32, b32, _ = inputs(4, 2, 49, 32, dtype=torch.float32, device="cuda")
     out = window_attention(q32, k32, v32, b32, None, 0.3)
-    torch.testing.assert_close(out, wa._attention_reference(q32, k32, v32, b32, None, 0.3))
+    torch.testing.assert_close(out, war._attention_reference(q32, k32, v32, b32, None, 0.3))
 
 
 @pytest.mark.cuda
@@ -553,13 +559,13 @@ def test_kernel_fallbacks_on_cuda():
 def test_partition_kernels_exact(dtype, shape, ws, shift):
     x = torch.randn(shape, device="cuda").to(dtype)
     win = roll_window_partition(x, ws, shift)
-    torch.testing.assert_close(win, wa._partition_reference(x, ws, shift), rtol=0, atol=0)
+    torch.testing.assert_close(win, wp._partition_reference(x, ws, shift), rtol=0, atol=0)
     back = window_merge_roll(win, shape[1], shape[2], shift)
     torch.testing.assert_close(back, x, rtol=0, atol=0)
     # unaligned rows take the narrow-word path
     y = torch.randn(2, 14, 14, 3, device="cuda").to(dtype)
     torch.testing.assert_close(
-        roll_window_partition(y, 7, 3), wa._partition_reference(y, 7, 3), rtol=0, atol=0
+        roll_window_partition(y, 7, 3), wp._partition_reference(y, 7, 3), rtol=0, atol=0
     )
 
 
@@ -618,3 +624,80 @@ def test_literal_helpers_agree():  # the test's own ground truth is consistent
     assert m.shape == (4, 49, 49) and set(m.unique().tolist()) <= {0.0, -100.0}
     assert math.isclose(float(m[0].abs().sum()), 0.0)  # the top-left window is unmasked
     assert list(itertools.islice(rel_index(2).flatten().tolist(), 4)) == [4, 3, 1, 0]
+
+
+# ------------------------------------------------------------------------------------------
+# the eager path (autograd.Function calling the launchers) against the op's dispatcher path
+# ------------------------------------------------------------------------------------------
+
+
+def _both_paths(fn, leaves, grad):
+    """(outputs, grads) of ``fn`` on fresh copies of ``leaves``, backward with ``grad``."""
+    leaves = [t.detach().clone().requires_grad_() for t in leaves]
+    out = fn(*leaves)
+    out.backward(grad)
+    return out, [t.grad for t in leaves]
+
+
+def _eager_vs_op(device, dtype, monkeypatch, exact_bias):
+    q, k, v, bias, mask = inputs(8, 3, 49, 32, 4, dtype=dtype, device=device)
+    bias = bias.float()
+    dout = torch.randn_like(q)
+    calls = []
+    real = wa._EagerAttention.apply
+    monkeypatch.setattr(wa._EagerAttention, "apply", lambda *a: calls.append(1) or real(*a))
+    eager = _both_paths(lambda *t: window_attention(*t, mask, 0.2), (q, k, v, bias), dout)
+    assert calls, "the eager path did not run"
+    op = _both_paths(lambda *t: wa.ATTENTION_OP.overload(*t, mask, 0.2), (q, k, v, bias), dout)
+    assert torch.equal(eager[0], op[0])
+    for name, a, b in zip(("dq", "dk", "dv", "dbias"), eager[1], op[1]):
+        assert a.dtype == b.dtype, name
+        if name != "dbias" or exact_bias:
+            assert torch.equal(a, b), name
+        else:  # the kernel sums the bias gradient with fp32 atomics: order varies by run
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    x = torch.randn(2, 14, 14, 6, device=device).to(dtype)
+    gx = torch.randn(8, 49, 6, device=device).to(dtype)
+    a = _both_paths(lambda t: roll_window_partition(t, 7, 3), (x,), gx)
+    b = _both_paths(lambda t: wp.PARTITION_OP.overload(t, 7, 3), (x,), gx)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1][0], b[1][0])
+    a = _both_paths(lambda t: window_merge_roll(t, 14, 14, 3), (gx,), x)
+    b = _both_paths(lambda t: wp.MERGE_OP.overload(t, 14, 14, 3), (gx,), x)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1][0], b[1][0])
+
+
+def test_eager_path_matches_op_path_cpu(monkeypatch):
+    # CPU tensors take the eager branch as CUDA ones would: the Function's wiring (saved
+    # tensors, gradient order, None for mask and scale) against register_autograd's
+    monkeypatch.setattr(wac, "eager", wac.eager_on("cpu"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the CPU fallback's one-time warning
+        _eager_vs_op("cpu", torch.float32, monkeypatch, exact_bias=True)
+
+
+def test_eager_path_is_skipped_under_tracing_and_for_cpu():
+    q = torch.randn(1, 1, 4, 32)
+    assert not wac.eager(q)  # CPU: the op (its reference)
+    with torch._subclasses.fake_tensor.FakeTensorMode():
+        assert not wac.eager_on("cpu")(torch.empty(1))
+
+
+def test_cached_plan_needs_the_same_metadata():
+    # a plan is keyed on every input's shape, strides, dtype and device: anything else is a miss
+    q, k, v, bias, mask = inputs(4, 2, 49, 32, 2, dtype=torch.float16)
+    key = wac._plan_key("mma", False, q, k, v, bias, mask)
+    assert key == wac._plan_key("mma", False, q.clone(), k, v, bias, mask)
+    for other in (
+        wac._plan_key("mma", True, q, k, v, bias, mask),
+        wac._plan_key("mma", False, q, k, v, bias, None),
+        wac._plan_key("mma", False, q, k.transpose(2, 3), v, bias, mask),
+        wac._plan_key("mma", False, q, k, v, bias.float(), mask),
+        wac._plan_key("scalar", False, q, k, v, bias, mask),
+    ):
+        assert other != key
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_eager_path_matches_op_path_cuda(dtype, monkeypatch):
+    _eager_vs_op("cuda", dtype, monkeypatch, exact_bias=False)
