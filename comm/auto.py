@@ -4,7 +4,11 @@
 ``ValueError`` at start-up) and, only when they ask for something, wraps
 ``DistributedDataParallel.__init__`` so that every DDP model built afterwards gets the env's
 bucket size and registers the env's hook (:func:`aiak.comm.register`), slow-rank detection
-included. :func:`deactivate` restores ``__init__``.
+included. It also makes ``torch.distributed.destroy_process_group()`` of the whole world go
+through :func:`aiak.comm.shutdown` (no barrier): an unchanged script that destroys the group
+while its DDP model is alive would otherwise leave aiak's hook state holding the group into the
+interpreter's teardown, where gloo threads running Python abort the process. :func:`deactivate`
+restores both.
 """
 
 from __future__ import annotations
@@ -16,9 +20,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .activate import build, register
 from .env import parse_env
+from .lifecycle import shutdown
 
 __all__ = ["activate", "active", "check", "deactivate"]
 
@@ -93,6 +99,17 @@ def activate(environ: Mapping[str, str] | None = None) -> list[str]:
             )
 
     ddp_cls.__init__ = __init__
+    orig_destroy = dist.destroy_process_group
+    _saved["destroy"] = orig_destroy
+
+    @functools.wraps(orig_destroy)
+    def destroy_process_group(group: Any = None) -> None:
+        if group is None or group is dist.group.WORLD:
+            shutdown(barrier=False)  # releases DDP models and hook states, then destroys
+        else:
+            orig_destroy(group)
+
+    dist.destroy_process_group = destroy_process_group
     return ["comm: DDP models use the hook from " + " ".join(names)]
 
 
@@ -106,6 +123,7 @@ def deactivate() -> None:
         del ddp_cls.__init__
     else:
         ddp_cls.__init__ = before
+    dist.destroy_process_group = _saved.pop("destroy")
     _logged.clear()
 
 

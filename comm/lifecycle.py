@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from . import _offload
 from ._futures import CommError
@@ -173,7 +174,7 @@ def shutdown(
                     f"process group failed ({type(exc).__name__}: {exc}); a peer died or "
                     "did not call shutdown"
                 ) from exc
-        dist.destroy_process_group()
+        distributed_c10d.destroy_process_group()  # torch's own, even where activation wraps it
         gc.collect()
 
 

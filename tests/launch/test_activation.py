@@ -63,6 +63,7 @@ def test_activate_and_deactivate_restore_everything():
     ddp_init = torch.nn.parallel.DistributedDataParallel.__init__
     classes = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
     init_pg = dist.init_process_group
+    destroy_pg = dist.destroy_process_group
     amp_update = torch.amp.GradScaler.update
     env = {
         "AIAK_AUTO": "1",
@@ -76,12 +77,14 @@ def test_activate_and_deactivate_restore_everything():
         assert torch.nn.parallel.DistributedDataParallel.__init__ is not ddp_init
         assert torch.optim.AdamW is not classes[1] and hasattr(torch.optim, "LAMB")
         assert dist.init_process_group is not init_pg
+        assert dist.destroy_process_group is not destroy_pg  # goes through comm.shutdown
         assert hasattr(torch.cuda.amp, "aiak_amp_decorate")
     finally:
         _boot.deactivate()
     assert torch.nn.parallel.DistributedDataParallel.__init__ is ddp_init
     assert (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD) == classes
     assert dist.init_process_group is init_pg and torch.amp.GradScaler.update is amp_update
+    assert dist.destroy_process_group is destroy_pg
     assert not hasattr(torch.optim, "LAMB") and not hasattr(torch.cuda.amp, "aiak_amp_decorate")
     # nothing asked, nothing done
     assert _boot.activate({"AIAK_AUTO": "1"}) and _boot.deactivate() is None
