@@ -5,6 +5,7 @@ stop can happen), a workspace allocated once per (device, stream, sizes) and reu
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections import OrderedDict
 
@@ -36,27 +37,33 @@ def _workspace_bytes(m: int, tiles: int, nthr: int, cap: int) -> int:
     return fixed + per + _r16(4 * tiles * cap) + _r16(2 * tiles * cap)
 
 
+_P, _I64, _I32, _F64 = ctypes.c_uint64, ctypes.c_int64, ctypes.c_int32, ctypes.c_double
+_GEOM = (_P, _I64, _I64, _I64, _I32, _I32)  # base, n, m, tiles, nthr, cap
+_LOOP = (_F64, _F64, _I32, _I32)  # upper, lower, iters, resample
+# each kernel's parameters, as in dgc_select.cu
+_ARGTYPES = {
+    "dgc_sample_hist": (_P, _P, *_GEOM, _I64, _I64, _I64),
+    "dgc_sample_finish": (*_GEOM, *_LOOP),
+    "dgc_count_reg": (_P, *_GEOM, _I32, _I64, *_LOOP),
+    "dgc_count_search": (_P, *_GEOM, _I32, _I64, *_LOOP),
+    "dgc_exact_hist": (_P, *_GEOM, _I32, _I32),
+    "dgc_exact_counts": (_P, *_GEOM, _I32),
+    "dgc_write": (_P, *_GEOM, _I32, _I64, _P, _P),
+}
+
+
 class _Workspace:
     """One zeroed buffer, its launch geometry and kernels, for (device, stream, n, m, nthr, cap)."""
 
     __slots__ = ("buf", "fns", "geom", "grids")
 
     def __init__(self, dev: torch.device, n: int, m: int, nthr: int, cap: int) -> None:
-        import numpy as np
-
         tiles = -(-n // _TILE)
         nbytes = _workspace_bytes(m, tiles, nthr, cap)
         # zeroed once: every call leaves its counters, histograms and totals zero again
         self.buf = torch.zeros(-(-nbytes // 8), dtype=torch.int64, device=dev)
-        sms = _cuda.num_sms(torch.cuda.current_device())
-        self.geom = (
-            _cuda.ptr(self.buf),
-            np.int64(n),
-            np.int64(m),
-            np.int64(tiles),
-            np.int32(nthr),
-            np.int32(cap),
-        )
+        sms = _cuda.num_sms(_cuda.device_index())
+        self.geom = (self.buf.data_ptr(), n, m, tiles, nthr, cap)
         self.grids = (
             max(1, min(-(-m // (4 * _BLOCK)), 4 * sms)),  # sample_hist: 4 gathers per thread
             max(1, min(-(-m // _BLOCK), 4 * sms)),  # sample_finish
@@ -64,17 +71,13 @@ class _Workspace:
             -(-tiles // _WCHUNK),  # write
         )
         count = "dgc_count_reg" if nthr <= _NREG else "dgc_count_search"
-        self.fns = {
-            name: _cuda.get_function(_SOURCE, name)
-            for name in (
-                "dgc_sample_hist",
-                "dgc_sample_finish",
-                "dgc_exact_hist",
-                "dgc_exact_counts",
-                "dgc_write",
-            )
-        }
-        self.fns["count"] = _cuda.get_function(_SOURCE, count)
+        names = ("dgc_sample_hist", "dgc_sample_finish", "dgc_exact_hist", "dgc_exact_counts")
+        self.fns = {name: _kernel(name) for name in (*names, "dgc_write")}
+        self.fns["count"] = _kernel(count)
+
+
+def _kernel(name: str) -> _cuda.DriverKernel:
+    return _cuda.DriverKernel(_cuda.get_function(_SOURCE, name), _ARGTYPES[name])
 
 
 # Workspaces are kept per (device, stream, n, num_samples, thresholds, capacity): a DGC hook
@@ -86,7 +89,7 @@ _ws_lock = threading.Lock()
 
 
 def _workspace(dev: torch.device, n: int, m: int, nthr: int, cap: int) -> _Workspace:
-    key = (dev.index, torch.cuda.current_stream(dev).cuda_stream, n, m, nthr, cap)
+    key = (dev.index, _cuda.raw_stream(dev.index), n, m, nthr, cap)
     with _ws_lock:
         ws = _workspaces.get(key)
         if ws is not None:
@@ -113,8 +116,6 @@ def launch_select(
     resample: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(values, indices)`` of checked, fp32, CUDA ``x`` with ``k >= 1``."""
-    import numpy as np  # only on the CUDA path: `import aiak.ops` stays free of numpy
-
     n = x.numel()
     dev = x.device
     m = num_samples
@@ -125,29 +126,20 @@ def launch_select(
     indices = torch.empty(k, dtype=torch.int64, device=dev)
     if sample_indices is not None:
         sample_indices = sample_indices.contiguous()
-    p = _cuda.ptr
-    px = p(x)
-    vec = np.int32(1 if x.data_ptr() % 16 == 0 else 0)  # float4 loads need 16-byte alignment
+    px = x.data_ptr()
+    vec = 1 if px % 16 == 0 else 0  # float4 loads need 16-byte alignment
     ks = min(m, max(1, (m * k + n - 1) // n))
+    loop = (upper, lower, iters, 1 if resample else 0)
     with _cuda.on_device(dev):
         ws = _workspace(dev, n, m, nthr, _capacity(k, tiles))
         f, geom, (g_hist, g_finish, g_tiles, g_write) = ws.fns, ws.geom, ws.grids
-        up, lo = np.float64(upper), np.float64(lower)
-        it, rs = np.int32(iters), np.int32(1 if resample else 0)
-        launch = _cuda.launch
-        launch(
-            f["dgc_sample_hist"], g_hist, _BLOCK,
-            (px, p(sample_indices), *geom, np.int64(sample_start), np.int64(sample_stride),
-             np.int64(ks)),
-        )  # fmt: skip
-        launch(f["dgc_sample_finish"], g_finish, _BLOCK, (*geom, up, lo, it, rs))
-        launch(f["count"], g_tiles, _BLOCK, (px, *geom, vec, np.int64(k), up, lo, it, rs))
+        sidx = 0 if sample_indices is None else sample_indices.data_ptr()
+        f["dgc_sample_hist"](g_hist, _BLOCK, px, sidx, *geom, sample_start, sample_stride, ks)
+        f["dgc_sample_finish"](g_finish, _BLOCK, *geom, *loop)
+        f["count"](g_tiles, _BLOCK, px, *geom, vec, k, *loop)
         if resample and iters > 0:  # exact top-k after a resample stop, gated on the device
             for digit in range(3):
-                launch(f["dgc_exact_hist"], g_tiles, _BLOCK, (px, *geom, vec, np.int32(digit)))
-            launch(f["dgc_exact_counts"], g_tiles, _BLOCK, (px, *geom, vec))
-        launch(
-            f["dgc_write"], g_write, _BLOCK,
-            (px, *geom, vec, np.int64(k), p(values), p(indices)),
-        )  # fmt: skip
+                f["dgc_exact_hist"](g_tiles, _BLOCK, px, *geom, vec, digit)
+            f["dgc_exact_counts"](g_tiles, _BLOCK, px, *geom, vec)
+        f["dgc_write"](g_write, _BLOCK, px, *geom, vec, k, values.data_ptr(), indices.data_ptr())
     return values, indices

@@ -51,9 +51,10 @@ class Table:
         capture is illegal, and ``torch.cuda.graph`` synchronises the device before capturing,
         so a table built during warm-up is complete by then.
         """
-        current = torch.cuda.current_stream(self.data.device)
-        if current.cuda_stream != self.stream and not torch.cuda.is_current_stream_capturing():
-            current.wait_event(self.ready)
+        if _cuda.raw_stream(self.data.get_device()) == self.stream:
+            return  # the usual case, without building a Stream object (3-5 µs)
+        if not torch.cuda.is_current_stream_capturing():
+            torch.cuda.current_stream(self.data.device).wait_event(self.ready)
 
 
 _dtype = operator.attrgetter("dtype")

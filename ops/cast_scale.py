@@ -14,6 +14,8 @@ launcher, the op declaration.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from aiak.ops import _cuda
@@ -43,7 +45,11 @@ def _check(dst: torch.Tensor, src: torch.Tensor, scale: float, memory: bool = Tr
         and src.dtype in _CODE
         and dst.is_contiguous()
         and src.is_contiguous()
-        and src.device == dst.device
+        and (
+            src.is_cuda and src.get_device() == dst.get_device()
+            if dst.is_cuda
+            else src.device == dst.device
+        )
         and src.numel() == dst.numel()
     ):
         _explain(dst, src)
@@ -91,19 +97,42 @@ def _reference(dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
 def _cast_cuda(dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
     _check(dst, src, scale)
     n = dst.numel()
-    if not use_kernel(CAP, dst.device, (src.dtype, dst.dtype)):
-        _reference(dst, src, scale)
-        return
+    dev = dst.get_device()
+    record = _records.get((src.dtype, dst.dtype, dev))
+    if record is None or _cuda.kernels_disabled():
+        if not use_kernel(CAP, dst.device, (src.dtype, dst.dtype)):  # warns once, says why
+            _reference(dst, src, scale)
+            return
+        record = _launch_record(src.dtype, dst.dtype, dev)
     if n == 0:
         return
-    np = _cuda.numpy()
-    with _cuda.on_device(dst.device):
-        fn = _cuda.get_function(_SOURCE, _NAMES[src.dtype, dst.dtype])
-        # A grid-stride loop: 4 blocks of 512 per SM fill an SM that holds 2048 threads.
-        steps = -(-n // (_BLOCK * _PER_THREAD))
-        blocks = max(1, min(steps, 4 * _cuda.num_sms(torch.cuda.current_device())))
-        args = (np.uint64(src.data_ptr()), np.uint64(dst.data_ptr()), np.float32(scale))
-        _cuda.launch(fn, blocks, _BLOCK, (*args, np.int64(n)))
+    kernel, max_blocks = record
+    # A grid-stride loop: 4 blocks of 512 per SM fill an SM that holds 2048 threads.
+    blocks = min(-(-n // (_BLOCK * _PER_THREAD)), max_blocks)
+    if dev == _cuda.device_index():
+        kernel(blocks, _BLOCK, src.data_ptr(), dst.data_ptr(), scale, n)
+    else:
+        with torch.cuda.device(dev):
+            kernel(blocks, _BLOCK, src.data_ptr(), dst.data_ptr(), scale, n)
+
+
+# (src dtype, dst dtype, device index) -> (kernel, most blocks): what a launch needs besides
+# the tensors, looked up once, for pairs the kernel supports. Host time decides this op's
+# design: the CUDA work of a gradient bucket's cast is a few µs, a torch elementwise op call
+# costs 8-10 µs on the H100 machine's host, and a CuPy launch alone 9.2 µs there
+# (benchmarks/profile_hotpaths.py); ``_cuda.DriverKernel`` launches in 7.8 µs all told.
+_records: dict[tuple[torch.dtype, torch.dtype, int], tuple[_cuda.DriverKernel, int]] = {}
+_ARGTYPES = (ctypes.c_uint64, ctypes.c_uint64, ctypes.c_float, ctypes.c_int64)
+
+
+def _launch_record(src: torch.dtype, dst: torch.dtype, dev: int) -> tuple[_cuda.DriverKernel, int]:
+    key = (src, dst, dev)
+    found = _records.get(key)
+    if found is None:
+        with torch.cuda.device(dev):
+            fn = _cuda.get_function(_SOURCE, _NAMES[src, dst])
+        found = _records[key] = (_cuda.DriverKernel(fn, _ARGTYPES), 4 * _cuda.num_sms(dev))
+    return found
 
 
 def _fake(dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:

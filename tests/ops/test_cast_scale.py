@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import aiak.ops
+from aiak.ops import cast_scale as cs
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 PAIRS = [(s, d) for s in DTYPES for d in DTYPES]
@@ -156,3 +157,30 @@ def test_cuda_kernel_runs_on_the_current_stream_and_bumps_the_version() -> None:
     torch.cuda.current_stream().wait_stream(side)
     assert torch.equal(dst, (src * 2).half())
     assert dst._version > version
+
+
+@pytest.mark.cuda
+def test_cuda_launch_from_a_fresh_thread_and_a_side_stream() -> None:
+    """The driver launch binds the context in a thread that has made no CUDA call, and runs on
+    the thread's current stream."""
+    import threading
+
+    src = torch.randn(100_003, device="cuda")
+    expected = torch.empty(100_003, dtype=torch.float16, device="cuda")
+    cs._reference(expected, src, 3.0)
+    out: dict[str, torch.Tensor] = {}
+
+    def work() -> None:
+        side = torch.cuda.Stream()
+        dst = torch.empty(100_003, dtype=torch.float16, device="cuda")
+        with torch.cuda.stream(side):
+            side.wait_stream(torch.cuda.default_stream())
+            aiak.ops.cast_scale_(dst, src, 3.0)
+        side.synchronize()
+        out["dst"] = dst
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join(60)
+    assert not t.is_alive()
+    assert torch.equal(out["dst"], expected)

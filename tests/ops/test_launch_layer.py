@@ -68,3 +68,53 @@ def test_is_dense() -> None:
     x = torch.randn(4, 5, 6)
     assert _capability.is_dense(x) and _capability.is_dense(x.permute(2, 0, 1))
     assert not _capability.is_dense(x[:, ::2]) and not _capability.is_dense(x.expand(2, 4, 5, 6))
+
+
+def test_grad_mode_alone_keeps_the_eager_fast_path() -> None:
+    """A differentiable op under grad mode goes to the dispatcher (autograd) only when an
+    input requires grad; otherwise the fast path gives the same values and no graph."""
+    from aiak.ops import _registry
+    from aiak.ops.multi_tensor_l2norm import L2NORM_OP
+
+    ts = [torch.randn(5), torch.randn(3, 2)]
+    with torch.enable_grad():
+        assert L2NORM_OP.eager_kernel((ts, True)) is L2NORM_OP.reference
+        total, per = aiak.ops.multi_tensor_l2norm(ts, True)
+        assert per.shape == (2,) and per.grad_fn is None
+        assert total.grad_fn is None and not total.requires_grad
+        leaf = torch.randn(4, requires_grad=True)
+        assert L2NORM_OP.eager_kernel(([ts[0], leaf], True)) is None
+        assert _registry._any_requires_grad(((ts[0], leaf), False))
+        assert _registry._any_requires_grad((leaf,))
+        assert not _registry._any_requires_grad((ts, 1.0, None))
+        total2, _ = aiak.ops.multi_tensor_l2norm([ts[0], leaf], True)
+        total2.backward()
+    expected = torch.linalg.vector_norm(torch.cat([t.flatten() for t in ts]))
+    torch.testing.assert_close(total, expected)
+    torch.testing.assert_close(leaf.grad, leaf.detach() / total2.detach())
+    with torch.no_grad():
+        assert L2NORM_OP.eager_kernel(([ts[0], leaf], True)) is L2NORM_OP.reference
+
+
+def test_driver_kernel_fallback_argument_types() -> None:
+    """Without a driver handle, DriverKernel passes CuPy numpy scalars of the kernel's types."""
+    import ctypes
+
+    assert _cuda._numpy_type(ctypes.c_uint64) is np.uint64
+    assert _cuda._numpy_type(ctypes.c_int64) is np.int64
+    assert _cuda._numpy_type(ctypes.c_int32) is np.int32
+    assert _cuda._numpy_type(ctypes.c_uint32) is np.uint32
+    assert _cuda._numpy_type(ctypes.c_float) is np.float32
+    assert _cuda._numpy_type(ctypes.c_double) is np.float64
+    seen = []
+    k = _cuda.DriverKernel.__new__(_cuda.DriverKernel)
+    k._ptr, k._argtypes = None, (ctypes.c_uint64, ctypes.c_float, ctypes.c_int64)
+    k._cupy_fn = lambda grid, block, args, stream: seen.append((grid, block, args))
+    import unittest.mock
+
+    with unittest.mock.patch.object(_cuda, "current_stream", lambda: None):
+        k(3, 128, 2**40, 0.5, 7)
+    ((grid, block, args),) = seen
+    assert grid == (3,) and block == (128,)
+    assert [type(a) for a in args] == [np.uint64, np.float32, np.int64]
+    assert [int(args[0]), float(args[1]), int(args[2])] == [2**40, 0.5, 7]
