@@ -8,10 +8,12 @@ the copy is what is measured), feeding a patchify + MLP model whose step is cali
 - ``compute-only``: the same steps on a batch already on the GPU (the floor);
 - ``loader-f32``: the plain loop, float32 batches copied with ``.to(non_blocking=True)`` on the
   compute stream;
-- ``loader-u8+norm``: uint8 batches copied on the compute stream, normalised there;
+- ``loader-u8+norm``: uint8 batches copied on the compute stream, normalised there
+  (``aiak.data.normalize``);
 - ``prefetch-f32``: ``CudaPrefetcher`` over the float32 loader;
-- ``prefetch-u8+norm``: ``CudaPrefetcher`` over the uint8 loader with the normalisation as its
-  GPU ``transform`` (4x fewer bytes over PCIe, and off the compute stream).
+- ``prefetch-u8+norm``: ``CudaPrefetcher`` over the uint8 loader with ``aiak.data.normalize`` as
+  its GPU ``transform`` (4x fewer bytes over PCIe, off the compute stream, one pass);
+- ``prefetch-u8+norm3pass``: the same with the textbook ``(x.float() - mean) * inv_std``.
 
 Part (b), the short-epoch case: a small MLP on a small data set (``--samples``), each sample
 costing ``--sample-us`` of CPU work in the worker (a decode stand-in), many epochs. Rows:
@@ -45,7 +47,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness
 
-from aiak.data import CrossEpochLoader, CudaPrefetcher
+from aiak.data import CrossEpochLoader, CudaPrefetcher, normalize
 
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
@@ -89,7 +91,8 @@ class _PatchMLP(nn.Module):
         return self.head(x.mean(1))
 
 
-def _normalise(device: torch.device) -> Callable[[Any], Any]:
+def _normalise_3pass(device: torch.device) -> Callable[[Any], Any]:
+    """The textbook GPU normalisation: convert, subtract, multiply (three passes)."""
     mean = torch.tensor(MEAN, device=device).view(1, 3, 1, 1) * 255
     inv_std = 1 / (torch.tensor(STD, device=device).view(1, 3, 1, 1) * 255)
 
@@ -136,7 +139,8 @@ def part_a(args: argparse.Namespace) -> list[dict[str, Any]]:
     f32 = [((x.float() - mean) / std).pin_memory() for x in u8]
     u8 = [x.pin_memory() for x in u8]
     labels = [y.pin_memory() for y in labels]
-    normalise = _normalise(device)
+    normalise = normalize(MEAN, STD)  # one pass
+    normalise_3pass = _normalise_3pass(device)
 
     def build(depth: int):
         torch.manual_seed(0)
@@ -167,6 +171,9 @@ def part_a(args: argparse.Namespace) -> list[dict[str, Any]]:
         "loader-f32": lambda: _time_loop(loader(f32), step, to_dev),
         "loader-u8+norm": lambda: _time_loop(loader(u8), step, lambda bt: normalise(to_dev(bt))),
         "prefetch-f32": lambda: _time_loop(CudaPrefetcher(loader(f32), device), step, None),
+        "prefetch-u8+norm3pass": lambda: _time_loop(
+            CudaPrefetcher(loader(u8), device, transform=normalise_3pass), step, None
+        ),
         "prefetch-u8+norm": lambda: _time_loop(
             CudaPrefetcher(loader(u8), device, transform=normalise), step, None
         ),
