@@ -109,7 +109,7 @@ def train(hook, data, opt_fn, model=None, state=None, start=0, overlap=False, re
     opt = opt_fn(model)
     stepper = None
     if overlap:
-        stepper = comm.overlap_step(ddp, opt, hook=hook)
+        stepper = comm.overlap_step(ddp, opt, hook=hook, offload=overlap == "offload")
     elif hook is not None:
         comm.register(ddp, hook, state=state)
     for step in range(start, len(data)):
@@ -168,6 +168,11 @@ def check_overlap(results: dict) -> None:
         over, stepper = train(make(), data, opt, overlap=True)
         results[f"overlap_{name}"] = rel(flat_params(over), flat_params(plain))
         results[f"overlap_{name}_steps"] = stepper.steps
+    # the steps on aiak's worker thread (the default for CUDA models)
+    plain, _ = train(comm.allreduce(), data, sgd(0.9, 1e-3))
+    over, stepper = train(comm.allreduce(), data, sgd(0.9, 1e-3), overlap="offload")
+    results["overlap_offload"] = rel(flat_params(over), flat_params(plain))
+    results["overlap_offload_steps"] = stepper.steps
 
     # global-norm clipping: every bucket first, then one step over all parameters
     def clip_loop():

@@ -61,7 +61,9 @@ def test_dense_momentum_and_dgcsgd_equal_torch_sgd(ranks):
         assert r["dense_equiv_nesterov1"] < 1e-5
 
 
-@pytest.mark.parametrize("name", ["allreduce", "fp16", "fp16_scale10", "dgc", "downsample", "adam"])
+@pytest.mark.parametrize(
+    "name", ["allreduce", "fp16", "fp16_scale10", "dgc", "downsample", "adam", "offload"]
+)
 def test_overlap_step_matches_the_plain_loop(ranks, name):
     for r in ranks.values():
         assert r[f"overlap_{name}"] < 1e-6, r[f"overlap_{name}"]
