@@ -12,28 +12,17 @@ import io
 import os
 import pstats
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from profile_host import host_us
 
 import aiak.ops
 from aiak.ops import _cuda, _mta
 from aiak.ops import cast_scale as cs
 
 l2 = importlib.import_module("aiak.ops.multi_tensor_l2norm")
-
-
-def host_us(fn: Callable[[], Any], calls: int = 300) -> float:
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    return t / calls * 1e6
 
 
 def show(label: str, fn: Callable[[], Any]) -> None:
