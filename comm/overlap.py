@@ -20,15 +20,16 @@ overlaps the backward; the optimizer does not). DGC clips locally inside its hoo
 
 Where the time goes (benchmarks/bench_dgc_select.py --overlap: one H100, NCCL world 1,
 torchvision ResNet-50, torch SGD with momentum, the variants interleaved in one run): with no
-other rank to wait for, there is nothing for the step to overlap with. At batch 128 the step
-is GPU-bound and the plain loop already runs the optimizer's host work while the GPU finishes
-the backward (the step costs 1.5 ms over backward alone, for an optimizer that takes 4.2 ms
-by itself); at batch 32 the step is host-bound, and the host work only moves. Per-bucket
-steps add their own host time (an ``optimizer.step()`` call per bucket), so on one GPU the
-overlapped step is about 1 ms slower at batch 128 and 3 ms at batch 32. The gain is for
-multi-GPU steps whose last buckets' reductions keep the GPU waiting. ``offload=True`` runs
-the hook and its step on aiak's worker thread and a side stream (``comm/_offload.py``); on the
-one-GPU step it measured the same as inline.
+other rank to wait for, there is little for the step to overlap with. At batch 128 the step is
+GPU-bound and the plain loop already runs the optimizer's host work while the GPU finishes the
+backward (the step costs 2.6 ms over backward alone, for an optimizer that takes 5.5 ms by
+itself); the overlapped step measured the same as the plain one (75.3 vs 75.1 ms). At batch 32
+the step is host-bound: the host work only moves, and the host's run-to-run noise (a few ms)
+exceeds the differences. Per-bucket steps cost host time of their own (one
+``optimizer.step()`` call per bucket); the gradients are handed over in two foreach calls, not
+a copy per parameter. The gain is for multi-GPU steps whose last buckets' reductions keep the
+GPU waiting. ``offload=True`` runs the hook and its step on aiak's worker thread and a side
+stream (``comm/_offload.py``); on the one-GPU step it measured the same as inline.
 """
 
 from __future__ import annotations
