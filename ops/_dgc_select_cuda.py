@@ -1,5 +1,5 @@
 """The CUDA launcher of ``aiak::dgc_select`` (ops/dgc_select.py holds the checks, the
-reference and the op): fp32 ``x``, 8 launches of ops/kernels/dgc_select.cu (4 when no resample
+reference and the op): fp32 ``x``, 9 launches of ops/kernels/dgc_select.cu (4 when no resample
 stop can happen), a workspace allocated once per (device, stream, sizes) and reused.
 """
 
@@ -14,9 +14,11 @@ import torch
 from aiak.ops import _cuda
 
 _SOURCE = "dgc_select.cu"
+_DEFINES = _cuda.defines(_SOURCE)
 _TILE = 4096  # elements per tile of the counting and compaction passes (TILE in the .cu)
 _BLOCK = 256
-_NREG = 12  # thresholds the counting kernel keeps in registers (NREG in the .cu)
+_NREG = _DEFINES["NREG"]  # thresholds the counting kernel keeps in registers
+NFAST = _DEFINES["NFAST"]  # thresholds of the fast count (resample mode)
 _WCHUNK = 32  # tiles per block of the ordered write (WCHUNK in the .cu)
 
 
@@ -44,8 +46,9 @@ _LOOP = (_F64, _F64, _I32, _I32)  # upper, lower, iters, resample
 _ARGTYPES = {
     "dgc_sample_hist": (_P, _P, *_GEOM, _I64, _I64, _I64),
     "dgc_sample_finish": (*_GEOM, *_LOOP),
-    "dgc_count_reg": (_P, *_GEOM, _I32, _I64, *_LOOP),
-    "dgc_count_search": (_P, *_GEOM, _I32, _I64, *_LOOP),
+    "dgc_count_fast": (_P, *_GEOM, _I32, _I64, *_LOOP),
+    "dgc_count_reg": (_P, *_GEOM, _I32, _I64, *_LOOP, _I32),
+    "dgc_count_search": (_P, *_GEOM, _I32, _I64, *_LOOP, _I32),
     "dgc_exact_hist": (_P, *_GEOM, _I32, _I32),
     "dgc_exact_counts": (_P, *_GEOM, _I32),
     "dgc_write": (_P, *_GEOM, _I32, _I64, _P, _P),
@@ -55,9 +58,11 @@ _ARGTYPES = {
 class _Workspace:
     """One zeroed buffer, its launch geometry and kernels, for (device, stream, n, m, nthr, cap)."""
 
-    __slots__ = ("buf", "fns", "geom", "grids")
+    __slots__ = ("buf", "fast", "fns", "geom", "grids")
 
-    def __init__(self, dev: torch.device, n: int, m: int, nthr: int, cap: int) -> None:
+    def __init__(
+        self, dev: torch.device, n: int, m: int, nthr: int, cap: int, resample: bool
+    ) -> None:
         tiles = -(-n // _TILE)
         nbytes = _workspace_bytes(m, tiles, nthr, cap)
         # zeroed once: every call leaves its counters, histograms and totals zero again
@@ -69,11 +74,15 @@ class _Workspace:
             max(1, min(-(-m // _BLOCK), 4 * sms)),  # sample_finish
             min(tiles, 4 * sms),  # count, exact_hist, exact_counts: tiles in a grid stride
             -(-tiles // _WCHUNK),  # write
+            min(tiles, _DEFINES["FAST_BLOCKS"] * sms),  # count_fast
         )
         count = "dgc_count_reg" if nthr <= _NREG else "dgc_count_search"
+        # resample mode counts the loop's first _NFAST states, then (gated on the device) all
+        self.fast = resample and nthr > NFAST
         names = ("dgc_sample_hist", "dgc_sample_finish", "dgc_exact_hist", "dgc_exact_counts")
         self.fns = {name: _kernel(name) for name in (*names, "dgc_write")}
         self.fns["count"] = _kernel(count)
+        self.fns["count_fast"] = _kernel("dgc_count_fast")
 
 
 def _kernel(name: str) -> _cuda.DriverKernel:
@@ -88,14 +97,16 @@ _workspaces: OrderedDict[tuple, _Workspace] = OrderedDict()
 _ws_lock = threading.Lock()
 
 
-def _workspace(dev: torch.device, n: int, m: int, nthr: int, cap: int) -> _Workspace:
-    key = (dev.index, _cuda.raw_stream(dev.index), n, m, nthr, cap)
+def _workspace(
+    dev: torch.device, n: int, m: int, nthr: int, cap: int, resample: bool
+) -> _Workspace:
+    key = (dev.index, _cuda.raw_stream(dev.index), n, m, nthr, cap, resample)
     with _ws_lock:
         ws = _workspaces.get(key)
         if ws is not None:
             _workspaces.move_to_end(key)
             return ws
-    ws = _Workspace(dev, n, m, nthr, cap)
+    ws = _Workspace(dev, n, m, nthr, cap, resample)
     with _ws_lock:
         _workspaces[key] = ws
         while len(_workspaces) > _WS_KEEP:
@@ -131,12 +142,16 @@ def launch_select(
     ks = min(m, max(1, (m * k + n - 1) // n))
     loop = (upper, lower, iters, 1 if resample else 0)
     with _cuda.on_device(dev):
-        ws = _workspace(dev, n, m, nthr, _capacity(k, tiles))
-        f, geom, (g_hist, g_finish, g_tiles, g_write) = ws.fns, ws.geom, ws.grids
+        ws = _workspace(dev, n, m, nthr, _capacity(k, tiles), resample)
+        f, geom, (g_hist, g_finish, g_tiles, g_write, g_fast) = ws.fns, ws.geom, ws.grids
         sidx = 0 if sample_indices is None else sample_indices.data_ptr()
         f["dgc_sample_hist"](g_hist, _BLOCK, px, sidx, *geom, sample_start, sample_stride, ks)
         f["dgc_sample_finish"](g_finish, _BLOCK, *geom, *loop)
-        f["count"](g_tiles, _BLOCK, px, *geom, vec, k, *loop)
+        if ws.fast:  # the loop's first states; all of them only when it needs more
+            f["count_fast"](g_fast, _BLOCK, px, *geom, vec, k, *loop)
+            f["count"](g_tiles, _BLOCK, px, *geom, vec, k, *loop, 1)
+        else:
+            f["count"](g_tiles, _BLOCK, px, *geom, vec, k, *loop, 0)
         if resample and iters > 0:  # exact top-k after a resample stop, gated on the device
             for digit in range(3):
                 f["dgc_exact_hist"](g_tiles, _BLOCK, px, *geom, vec, digit)

@@ -24,9 +24,11 @@ loop then runs on the counts, so the work is fixed and nothing waits on the host
 are the seed's except where a threshold's single rounding differs from its repeated one.
 
 The CUDA kernel (fp32 only; other dtypes run this reference) computes the same thing bit for
-bit in 8 launches (4 when no resample stop can happen) and one read of ``x`` in the common
+bit in 9 launches (4 when no resample stop can happen) and one read of ``x`` in the common
 case: thr0 by radix digits on a compact sample copy, one counting pass that also keeps each
-tile's few candidates, the loop in that pass's last block, the exact top-k gated on the
+tile's few candidates (with ``resample``: of the loop's first 4 states only, then of all of
+them in a second pass gated on the device when the loop needs more), the loop in that pass's
+last block, the exact top-k gated on the
 device, and an ordered write from the candidates (docs/dgc.md). Never syncs the host. Its
 workspace is allocated once per (device, stream, sizes) and reused; the launcher and that
 cache are ops/_dgc_select_cuda.py.
@@ -37,7 +39,7 @@ from __future__ import annotations
 import torch
 
 from aiak.ops._capability import Capability, declare, use_kernel
-from aiak.ops._dgc_select_cuda import launch_select
+from aiak.ops._dgc_select_cuda import NFAST, launch_select
 from aiak.ops._registry import define
 
 __all__ = ["dgc_plan", "dgc_select", "dgc_thresholds", "launches_per_call"]
@@ -191,8 +193,11 @@ def _reference(
 
 
 def launches_per_call(resample: bool, iters: int) -> int:
-    """Kernel launches of one CUDA call: 8, or 4 when no resample stop can happen."""
-    return 8 if resample and iters > 0 else 4
+    """Kernel launches of one CUDA call: 4 when no resample stop can happen, else 8, and 9 when
+    a fast count of the loop's first states comes before the (gated) full one."""
+    if not (resample and iters > 0):
+        return 4
+    return 9 if iters + 1 > NFAST else 8
 
 
 def _select_cuda(

@@ -31,6 +31,8 @@
 #define NWARP (BLOCK / WARP)
 #define MAXT 232    // thresholds at most: (20 + 1) * (20 + 2) / 2 = 231
 #define NREG 12     // thresholds kept in registers by dgc_count_reg
+#define NFAST 4     // thresholds dgc_count_fast counts: the largest, the loop's first states
+#define FAST_BLOCKS 6  // resident blocks per SM of dgc_count_fast (40 registers a thread)
 #define HBINS 2048  // radix bins (11-bit digits)
 #define WCHUNK 32   // tiles per block of dgc_write (one warp's scan)
 #define FULL 0xffffffffu
@@ -48,6 +50,7 @@
 #define P_XREM 18    // rank still to find; at the end the number of entries == V to take
 #define P_TICKET 24  // last-block ticket
 #define P_LISTN 25   // length of the sample list of dgc_sample_finish
+#define P_FULL 26    // 1 when the adaptation loop needs a threshold the fast count skipped
 
 // The workspace, carved from one buffer; ops/dgc_select.py computes the same byte layout.
 struct Ws {
@@ -360,14 +363,20 @@ extern "C" __global__ void __launch_bounds__(BLOCK)
 // The counting pass: one read of x, every threshold counted, the candidates kept, the decision
 // ---------------------------------------------------------------------------------------------
 
-template <bool REG>
+// REG: thresholds in registers (NC of them, the largest when NC < nthr), else by binary search
+// in shared memory. With NC < nthr (dgc_count_fast, resample mode only) the sorted positions
+// below j0 = nthr - NC are not counted: their tile counts and totals are not written, the
+// candidate level is chosen among the counted ones, and the loop flags P_FULL when it needs
+// one of the others (then the gated full count redoes everything).
+template <bool REG, int NC>
 __device__ void count_body(const float* __restrict__ x, i64* base, i64 n, i64 m, i64 tiles,
                            int nthr, int cap, int vec, i64 k, double upper, double lower, int iters,
                            int resample) {
   const Ws w = carve(base, m, tiles, nthr, cap);
+  const int j0 = REG && NC < nthr ? nthr - NC : 0;  // lowest counted sorted position
   __shared__ int s_sorted[MAXT];
   __shared__ u32 s_hist[MAXT + 1];
-  __shared__ u32 s_warp[NWARP][NREG];
+  __shared__ u32 s_warp[NWARP][NC];
   __shared__ u32 s_cnt[MAXT];
   __shared__ u64 s_tot[MAXT];
   __shared__ u64 sh[NWARP];
@@ -377,9 +386,9 @@ __device__ void count_body(const float* __restrict__ x, i64* base, i64 n, i64 m,
     s_tot[j] = 0;
   }
   __syncthreads();
-  int treg[NREG];
+  int treg[NC];
 #pragma unroll
-  for (int j = 0; j < NREG; ++j) treg[j] = REG && j < nthr ? s_sorted[j] : 0x7fffffff;
+  for (int j = 0; j < NC; ++j) treg[j] = REG && j0 + j < nthr ? s_sorted[j0 + j] : 0x7fffffff;
 
   for (i64 t = blockIdx.x; t < tiles; t += gridDim.x) {
     const i64 lo = t * TILE;
@@ -397,28 +406,28 @@ __device__ void count_body(const float* __restrict__ x, i64* base, i64 n, i64 m,
       }
     }
     if (REG) {
-      int c[NREG];
+      int c[NC];
 #pragma unroll
-      for (int j = 0; j < NREG; ++j) c[j] = 0;
+      for (int j = 0; j < NC; ++j) c[j] = 0;
 #pragma unroll
       for (int e = 0; e < 16; ++e) {
 #pragma unroll
-        for (int j = 0; j < NREG; ++j) c[j] += b[e] >= treg[j];
+        for (int j = 0; j < NC; ++j) c[j] += b[e] >= treg[j];
       }
 #pragma unroll
-      for (int j = 0; j < NREG; ++j) {
+      for (int j = 0; j < NC; ++j) {
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) c[j] += __shfl_xor_sync(FULL, c[j], o);
       }
       if (lane == 0) {
 #pragma unroll
-        for (int j = 0; j < NREG; ++j) s_warp[warp][j] = (u32)c[j];
+        for (int j = 0; j < NC; ++j) s_warp[warp][j] = (u32)c[j];
       }
       __syncthreads();
-      if (tid < nthr) {
+      if (tid >= j0 && tid < nthr) {
         u32 s = 0;
 #pragma unroll
-        for (int q = 0; q < NWARP; ++q) s += s_warp[q][tid];
+        for (int q = 0; q < NWARP; ++q) s += s_warp[q][tid - j0];
         s_cnt[tid] = s;
       }
       __syncthreads();
@@ -448,14 +457,14 @@ __device__ void count_body(const float* __restrict__ x, i64* base, i64 n, i64 m,
     }
     // candidate level: the lowest threshold whose count in this tile fits in cap (counts fall
     // as j rises)
-    int lv = 0, hv2 = nthr;
+    int lv = j0, hv2 = nthr;
     while (lv < hv2) {
       const int mid = (lv + hv2) >> 1;
       if (s_cnt[mid] <= (u32)cap) hv2 = mid;
       else lv = mid + 1;
     }
     const u32 ncand = lv < nthr ? s_cnt[lv] : 0;
-    if (tid < nthr) {
+    if (tid >= j0 && tid < nthr) {
       w.tile_cnt[(i64)tid * tiles + t] = s_cnt[tid];
       s_tot[tid] += s_cnt[tid];
     }
@@ -504,6 +513,10 @@ __device__ void count_body(const float* __restrict__ x, i64* base, i64 n, i64 m,
   __syncthreads();
   if (tid != 0) return;
   int a = 0, bb = 0, exact = 0;
+  if (w.rank[0] < j0) {  // thr0 itself not counted (ties below it): the full count decides
+    w.plan[P_FULL] = 1;
+    return;
+  }
   i64 c = (i64)s_tot[w.rank[0]];
   for (int it = 0; it < iters; ++it) {
     if ((double)c > upper * (double)k) {
@@ -517,8 +530,14 @@ __device__ void count_body(const float* __restrict__ x, i64* base, i64 n, i64 m,
     } else {
       break;
     }
-    c = (i64)s_tot[w.rank[state_index(a, bb, iters, resample)]];
+    const int r = w.rank[state_index(a, bb, iters, resample)];
+    if (r < j0) {  // a threshold the fast count skipped: the gated full count redoes it all
+      w.plan[P_FULL] = 1;
+      return;
+    }
+    c = (i64)s_tot[r];
   }
+  w.plan[P_FULL] = 0;
   const int s = state_index(a, bb, iters, resample);
   w.plan[P_EXACT] = exact;
   w.plan[P_LEVEL] = w.rank[s];
@@ -529,18 +548,33 @@ __device__ void count_body(const float* __restrict__ x, i64* base, i64 n, i64 m,
   w.plan[P_XREM] = k;
 }
 
-// nthr <= NREG: thresholds in registers, 12 compares per element.
+// nthr <= NREG: thresholds in registers, 12 compares per element. `gate`: return at once
+// unless the fast count flagged P_FULL (the full count after dgc_count_fast).
 extern "C" __global__ void __launch_bounds__(BLOCK, 4)
     dgc_count_reg(const float* __restrict__ x, i64* base, i64 n, i64 m, i64 tiles, int nthr,
-                  int cap, int vec, i64 k, double upper, double lower, int iters, int resample) {
-  count_body<true>(x, base, n, m, tiles, nthr, cap, vec, k, upper, lower, iters, resample);
+                  int cap, int vec, i64 k, double upper, double lower, int iters, int resample,
+                  int gate) {
+  if (gate && carve(base, m, tiles, nthr, cap).plan[P_FULL] == 0) return;
+  count_body<true, NREG>(x, base, n, m, tiles, nthr, cap, vec, k, upper, lower, iters, resample);
+}
+
+// Resample mode, nthr > NFAST: the loop's first NFAST states (the largest thresholds) only, 4
+// compares per element instead of 12. The loop almost always stops there: thr0 comes from a
+// sample, and leaving the fourth state means its estimate was 1/lower^3 (2x at 0.8) too high.
+extern "C" __global__ void __launch_bounds__(BLOCK, FAST_BLOCKS)
+    dgc_count_fast(const float* __restrict__ x, i64* base, i64 n, i64 m, i64 tiles, int nthr,
+                   int cap, int vec, i64 k, double upper, double lower, int iters, int resample) {
+  count_body<true, NFAST>(x, base, n, m, tiles, nthr, cap, vec, k, upper, lower, iters, resample);
 }
 
 // More thresholds (no resample, or more iterations): binary search in shared memory.
 extern "C" __global__ void __launch_bounds__(BLOCK, 4)
     dgc_count_search(const float* __restrict__ x, i64* base, i64 n, i64 m, i64 tiles, int nthr,
-                     int cap, int vec, i64 k, double upper, double lower, int iters, int resample) {
-  count_body<false>(x, base, n, m, tiles, nthr, cap, vec, k, upper, lower, iters, resample);
+                     int cap, int vec, i64 k, double upper, double lower, int iters, int resample,
+                     int gate) {
+  if (gate && carve(base, m, tiles, nthr, cap).plan[P_FULL] == 0) return;
+  count_body<false, NREG>(x, base, n, m, tiles, nthr, cap, vec, k, upper, lower, iters,
+                          resample);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -150,3 +150,17 @@ def test_cuda_kernel_unaligned_zeros_and_reuse() -> None:
     z = torch.zeros(50_000)
     _check(z, 50, 500, 0, 100, 1.3, 0.8, 10, True, device="cuda")
     _check(z, 50, 500, 0, 100, 1.3, 0.8, 10, False, device="cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("iters", [3, 4, 10, 20])
+@pytest.mark.parametrize("outlier", [6.45, 8.06, 1000.0])
+def test_cuda_kernel_thr0_too_high_walks_down_past_the_fast_count(iters, outlier) -> None:
+    """Every sample at one outlier puts thr0 at it: the loop lowers the threshold state by
+    state (0.8 each), ending at the 4th state (6.45: the fast count's last), the 5th (8.06:
+    the gated full count runs) or running out of iterations (1000)."""
+    x = _data(400_003, "normal", 1)
+    x[0] = outlier
+    sidx = torch.zeros(4000, dtype=torch.int64)
+    _check(x, 400, 4000, 0, 1, 1.3, 0.8, iters, True, device="cuda", sidx=sidx)
+    _check(x, 400, 4000, 0, 1, 1.3, 0.8, iters, False, device="cuda", sidx=sidx)
