@@ -234,23 +234,34 @@ def _numpy_type(ctype: Any) -> Any:
 
 
 class DriverKernel:
-    """A CuPy-compiled kernel launched with ``cuLaunchKernel`` through ctypes, its argument
-    slots kept per thread (the values are written into them, nothing is built per call).
+    """A CuPy-compiled kernel launched with ``cuLaunchKernel`` through ctypes: the arguments are
+    packed by one ``struct.pack_into`` into a buffer kept per thread, whose parameter pointer
+    array is built once.
 
-    On the H100 machine's host a CuPy launch costs 9.2 µs plus 2.4 µs to build four numpy
-    scalar arguments; this costs 7.8 µs in all, most of it the driver call itself. ``argtypes``
-    are ctypes types matching the kernel's parameters (``c_uint64`` for pointers). Where
-    libcuda cannot be loaded, or the kernel has no driver handle, CuPy launches it.
+    On the H100 machine's host a CuPy launch costs 9.2 µs plus 0.6 µs per numpy scalar
+    argument; this costs 7.8 µs with four arguments, most of it the driver call itself.
+    ``argtypes`` are ctypes types matching the kernel's parameters (``c_uint64`` for pointers);
+    a value out of its type's range raises ``struct.error`` instead of wrapping. Where libcuda
+    cannot be loaded, or the kernel has no driver handle, CuPy launches it.
     """
 
-    __slots__ = ("_argtypes", "_cupy_fn", "_local", "_ptr")
+    __slots__ = ("_argtypes", "_cupy_fn", "_local", "_offsets", "_pack", "_ptr", "_size")
 
     def __init__(self, fn: Any, argtypes: tuple[Any, ...]) -> None:
+        import struct
+
         self._cupy_fn = fn
         self._argtypes = argtypes
         handle = getattr(getattr(fn, "kernel", None), "ptr", None)
         self._ptr = handle if _driver() is not None else None
         self._local = threading.local()
+        # native mode: C's sizes and alignment, so field i sits where the kernel expects it
+        codes = "".join(t._type_ for t in argtypes)
+        layout = struct.Struct("@" + codes)
+        self._pack, self._size = layout.pack_into, layout.size
+        self._offsets = tuple(
+            struct.calcsize("@" + codes[: i + 1]) - struct.calcsize(c) for i, c in enumerate(codes)
+        )
 
     def __call__(self, grid: int, block: int, *values: Any) -> None:
         """Launch on torch's current stream; ``values`` in the order of ``argtypes``."""
@@ -261,9 +272,8 @@ class DriverKernel:
         slots = getattr(self._local, "slots", None)
         if slots is None:
             slots = self._local.slots = self._new_slots()
-        cells, params = slots
-        for cell, value in zip(cells, values):
-            cell.value = value
+        buf, params = slots
+        self._pack(buf, 0, *values)
         stream = raw_stream(device_index())
         err = _driver()(self._ptr, grid, 1, 1, block, 1, 1, 0, stream, params, None)
         if err == _CUDA_ERROR_INVALID_CONTEXT:
@@ -274,12 +284,13 @@ class DriverKernel:
         if err:
             raise RuntimeError(f"aiak: cuLaunchKernel failed with CUDA error {err}")
 
-    def _new_slots(self) -> tuple[tuple[Any, ...], Any]:
+    def _new_slots(self) -> tuple[Any, Any]:
         import ctypes
 
-        cells = tuple(t() for t in self._argtypes)
-        params = (ctypes.c_void_p * len(cells))(*(ctypes.addressof(c) for c in cells))
-        return cells, params
+        buf = ctypes.create_string_buffer(max(self._size, 1))
+        base = ctypes.addressof(buf)
+        params = (ctypes.c_void_p * len(self._offsets))(*(base + o for o in self._offsets))
+        return buf, params
 
 
 def numpy() -> Any:

@@ -107,6 +107,8 @@ def _cast_cuda(dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
     if n == 0:
         return
     kernel, max_blocks = record
+    if not abs(scale) <= _F32_MAX:  # the kernel's fp32 scale: a huge one is inf, as in numpy
+        scale = ctypes.c_float(scale).value
     # A grid-stride loop: 4 blocks of 512 per SM fill an SM that holds 2048 threads.
     blocks = min(-(-n // (_BLOCK * _PER_THREAD)), max_blocks)
     if dev == _cuda.device_index():
@@ -123,6 +125,7 @@ def _cast_cuda(dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
 # (benchmarks/profile_hotpaths.py); ``_cuda.DriverKernel`` launches in 7.8 µs all told.
 _records: dict[tuple[torch.dtype, torch.dtype, int], tuple[_cuda.DriverKernel, int]] = {}
 _ARGTYPES = (ctypes.c_uint64, ctypes.c_uint64, ctypes.c_float, ctypes.c_int64)
+_F32_MAX = 3.4028234663852886e38
 
 
 def _launch_record(src: torch.dtype, dst: torch.dtype, dev: int) -> tuple[_cuda.DriverKernel, int]:

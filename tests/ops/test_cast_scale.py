@@ -184,3 +184,14 @@ def test_cuda_launch_from_a_fresh_thread_and_a_side_stream() -> None:
     t.join(60)
     assert not t.is_alive()
     assert torch.equal(out["dst"], expected)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("scale", [1e40, -1e300, float("inf"), float("nan")])
+def test_cuda_scale_beyond_fp32_is_what_the_reference_gives(scale) -> None:
+    src = torch.tensor([0.0, 1.0, -2.0, 1e-30] * 8, device="cuda")
+    got = torch.empty(32, device="cuda")
+    aiak.ops.cast_scale_(got, src, scale)
+    expected = torch.empty(32, device="cuda")
+    cs._reference(expected, src, scale)
+    torch.testing.assert_close(got, expected, equal_nan=True, rtol=0, atol=0)
