@@ -53,10 +53,10 @@ class Cast(Wrapper):
 
     Why not aiak's kernels. ``aiak::cast_scale_`` does the same in one vectorised pass and
     saves GPU time (64 MB bucket on H200: encode 26 vs 32 µs, decode 39 vs 61 µs;
-    benchmarks/bench_cast_scale.py), but its launch from Python costs the host 27 µs against
-    8 µs for the torch op, and DDP calls hooks on its host-bound autograd thread: on 2 x H200
-    the 12 x Linear(4096) step takes +6.9 ms over no hook with it against +4.0 ms with torch
-    ops (benchmarks/results/README.md). ``aiak::multi_tensor_scale_`` keys its device tables by
+    benchmarks/bench_cast_scale.py), but its launch from Python costs the host more than the
+    torch op's (12 µs against 8 µs on the H100 machine), and DDP calls hooks on its host-bound
+    autograd thread: on 2 x H200 the 12 x Linear(4096) step took +6.9 ms over no hook with it
+    (at 27 µs a launch) against +4.0 ms with torch ops (benchmarks/results/README.md). ``aiak::multi_tensor_scale_`` keys its device tables by
     addresses, and a new wire buffer per bucket misses that cache on every call (1261 vs
     432 µs of host time per bucket, step +17.5 ms).
     """
