@@ -14,6 +14,7 @@ says they are skipped and why.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import math
 import sys
@@ -35,6 +36,17 @@ def apex_module(name: str) -> tuple[Any, str | None]:
         return importlib.import_module(name), None
     except Exception as exc:  # not installed, or built for another torch
         return None, f"{type(exc).__name__}: {exc}"
+
+
+def optimizer_step(make: Callable[[list[torch.Tensor]], Any], shapes) -> Callable[[], Any]:
+    """The ``step`` of ``make(params)`` over fresh CUDA params of ``shapes`` with grads, stepped
+    once already (state, tables, compilation)."""
+    params = [torch.randn(s, device="cuda").requires_grad_() for s in shapes]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    opt = make(params)
+    opt.step()
+    return opt.step
 
 
 def gpu_ms(fn: Callable[[], Any], calls: int = 20) -> float:
@@ -97,3 +109,20 @@ def run(
     print_table(rows, cols)
     print(f"rows appended to {append_csv(bench, rows)}")
     return 0
+
+
+def cli(
+    bench: str,
+    cases: Callable[[str, list[tuple[int, ...]]], Iterable[tuple[str, int, str, Callable]]],
+    apex: str,
+    doc: str,
+    argv: list[str] | None = None,
+) -> int:
+    """A per-op benchmark's command line (``--sets``, the description from ``doc``'s first
+    line) and :func:`run`, with one line saying why the apex rows are skipped when the module
+    ``apex`` (``amp_C``, ``apex.optimizers``) does not import."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--sets", default="resnet,bert")
+    args = ap.parse_args(argv)
+    _, why = apex_module(apex)
+    return run(bench, cases, args.sets, [f"apex rows skipped: {why}"] if why else [])

@@ -8,12 +8,11 @@ Floor: 28 bytes per fp32 param (read p, g, m, v; write p, m, v). Columns: benchm
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 
 import torch
-from _compare import apex_module, run
+from _compare import apex_module, cli, optimizer_step
 
 from aiak.optim import FusedAdamW
 
@@ -21,41 +20,24 @@ BYTES = 28
 KW = {"lr": 1e-3, "weight_decay": 0.01}
 
 
-def step_of(make, shapes):
-    params = [torch.randn(s, device="cuda").requires_grad_() for s in shapes]
-    for p in params:
-        p.grad = torch.randn_like(p) * 1e-3
-    opt = make(params)
-    opt.step()  # state, tables, compilation
-    return opt.step
-
-
 def cases(set_name, shapes):
     nbytes = BYTES * sum(math.prod(s) for s in shapes)
-    yield "adamw", nbytes, "aiak FusedAdamW", step_of(lambda p: FusedAdamW(p, **KW), shapes)
+    yield "adamw", nbytes, "aiak FusedAdamW", optimizer_step(lambda p: FusedAdamW(p, **KW), shapes)
     for label, kw in (("torch fused", {"fused": True}), ("torch foreach", {"foreach": True})):
         yield (
             "adamw",
             nbytes,
             label,
-            step_of(lambda p, kw=kw: torch.optim.AdamW(p, **kw, **KW), shapes),
+            optimizer_step(lambda p, kw=kw: torch.optim.AdamW(p, **kw, **KW), shapes),
         )
     apex, _ = apex_module("apex.optimizers")
     if apex is not None:
         make = lambda p: apex.FusedAdam(p, adam_w_mode=True, **KW)  # noqa: E731
-        yield "adamw", nbytes, "apex FusedAdam", step_of(make, shapes)
-
-
-def notes():
-    _, why = apex_module("apex.optimizers")
-    return [f"apex rows skipped: {why}"] if why else []
+        yield "adamw", nbytes, "apex FusedAdam", optimizer_step(make, shapes)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sets", default="resnet,bert")
-    args = ap.parse_args(argv)
-    return run("fused_adam", cases, args.sets, notes())
+    return cli("fused_adam", cases, "apex.optimizers", __doc__, argv)
 
 
 if __name__ == "__main__":

@@ -9,12 +9,10 @@ write m, v, u; stage 2: read p, u, write p). Columns: benchmarks/_compare.py.
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 
-from _compare import apex_module, run
-from bench_fused_adam import step_of
+from _compare import apex_module, cli, optimizer_step
 
 from aiak.optim import LAMB
 
@@ -24,23 +22,15 @@ KW = {"lr": 1e-3, "weight_decay": 0.01}
 
 def cases(set_name, shapes):
     nbytes = BYTES * sum(math.prod(s) for s in shapes)
-    yield "lamb", nbytes, "aiak LAMB", step_of(lambda p: LAMB(p, **KW), shapes)
+    yield "lamb", nbytes, "aiak LAMB", optimizer_step(lambda p: LAMB(p, **KW), shapes)
     apex, _ = apex_module("apex.optimizers")
     if apex is not None:
         make = lambda p: apex.FusedLAMB(p, **KW)  # noqa: E731
-        yield "lamb", nbytes, "apex FusedLAMB", step_of(make, shapes)
-
-
-def notes():
-    _, why = apex_module("apex.optimizers")
-    return [f"apex rows skipped: {why}"] if why else []
+        yield "lamb", nbytes, "apex FusedLAMB", optimizer_step(make, shapes)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sets", default="resnet,bert")
-    args = ap.parse_args(argv)
-    return run("fused_lamb", cases, args.sets, notes())
+    return cli("fused_lamb", cases, "apex.optimizers", __doc__, argv)
 
 
 if __name__ == "__main__":

@@ -9,12 +9,11 @@ Floor: read src + write dst once. Columns: benchmarks/_compare.py.
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 
 import torch
-from _compare import apex_module, run
+from _compare import apex_module, cli
 
 import aiak.ops
 
@@ -54,16 +53,8 @@ def cases(set_name, shapes):
             )
 
 
-def notes():
-    _, why = apex_module("amp_C")
-    return [f"apex rows skipped: {why}"] if why else []
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sets", default="resnet,bert")
-    args = ap.parse_args(argv)
-    return run("multi_tensor_scale", cases, args.sets, notes())
+    return cli("multi_tensor_scale", cases, "amp_C", __doc__, argv)
 
 
 if __name__ == "__main__":

@@ -114,22 +114,12 @@ def _workspace(
     return ws
 
 
-def launch_select(
-    x: torch.Tensor,
-    k: int,
-    num_samples: int,
-    sample_start: int,
-    sample_stride: int,
-    sample_indices: torch.Tensor | None,
-    upper: float,
-    lower: float,
-    iters: int,
-    resample: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(values, indices)`` of checked, fp32, CUDA ``x`` with ``k >= 1``."""
+def launch_select(args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, indices)`` of checked, fp32, CUDA ``x`` with ``k >= 1``; ``args`` are the op's,
+    in its schema's order (``m``: ``num_samples``)."""
+    x, k, m, sample_start, sample_stride, sample_indices, upper, lower, iters, resample = args
     n = x.numel()
     dev = x.device
-    m = num_samples
     tiles = -(-n // _TILE)
     nthr = iters + 1 if resample else (iters + 1) * (iters + 2) // 2
     # every slot is written by dgc_write: the selected entries, then the (-1, 0) padding

@@ -36,6 +36,8 @@ cache are ops/_dgc_select_cuda.py.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from aiak.ops._capability import Capability, declare, use_kernel
@@ -49,17 +51,9 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_ITERS = 20  # (21 * 22) / 2 = 231 thresholds at most without resample
 
 
-def _check(
-    x: torch.Tensor,
-    k: int,
-    num_samples: int,
-    sample_start: int,
-    sample_stride: int,
-    sample_indices: torch.Tensor | None,
-    upper: float,
-    lower: float,
-    iters: int,
-) -> None:
+def _check(args: tuple) -> None:
+    """The op's arguments, in its schema's order (``resample``, a bool, needs no check)."""
+    x, k, num_samples, sample_start, sample_stride, sample_indices, upper, lower, iters = args[:9]
     op = "dgc_select"
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{op}: x must be a tensor, got {type(x).__name__}")
@@ -164,7 +158,7 @@ def _reference(
     iters: int,
     resample: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    _check(x, k, num_samples, sample_start, sample_stride, sample_indices, upper, lower, iters)
+    _check((x, k, num_samples, sample_start, sample_stride, sample_indices, upper, lower, iters))
     flat = x.reshape(-1)
     values = torch.zeros(k, dtype=x.dtype, device=x.device)
     indices = torch.full((k,), -1, dtype=torch.int64, device=x.device)
@@ -200,37 +194,17 @@ def launches_per_call(resample: bool, iters: int) -> int:
     return 9 if iters + 1 > NFAST else 8
 
 
-def _select_cuda(
-    x: torch.Tensor,
-    k: int,
-    num_samples: int,
-    sample_start: int,
-    sample_stride: int,
-    sample_indices: torch.Tensor | None,
-    upper: float,
-    lower: float,
-    iters: int,
-    resample: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    args = (x, k, num_samples, sample_start, sample_stride, sample_indices, upper, lower, iters)
-    _check(*args)
+def _select_cuda(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CUDA kernel; arguments as in the op's schema (:func:`_reference`)."""
+    x, k = args[:2]
+    _check(args)
     if k == 0 or not use_kernel(SELECT, x.device, (x.dtype,)):
-        return _reference(*args, resample)
-    return launch_select(*args, resample)
+        return _reference(*args)
+    return launch_select(args)
 
 
-def _fake(
-    x: torch.Tensor,
-    k: int,
-    num_samples: int,
-    sample_start: int,
-    sample_stride: int,
-    sample_indices: torch.Tensor | None,
-    upper: float,
-    lower: float,
-    iters: int,
-    resample: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _fake(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    x, k = args[:2]
     if not 0 <= k <= x.numel():
         raise ValueError(f"dgc_select: k must be in [0, numel={x.numel()}], got {k}")
     return x.new_empty(k), x.new_empty(k, dtype=torch.int64)

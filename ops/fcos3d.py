@@ -28,7 +28,7 @@ launcher, the op declaration, the public functions.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -121,6 +121,18 @@ def _check(*tensors: torch.Tensor, radius: float, alpha: float) -> tuple[int, in
     return B, P, G, boxes_3d.shape[2]
 
 
+# the schema's center_sample_radius and centerness_alpha: the dispatcher leaves out trailing
+# arguments equal to their defaults, so reference, kernel and fake may receive 13 arguments
+_DEFAULTS = (1.5, 2.5)
+
+
+def _call(args: tuple) -> tuple[tuple, tuple, tuple[int, int, int, int]]:
+    """(the 11 tensors, (background_label, attr_background_label, center_sample_radius,
+    centerness_alpha), (B, P, G, code)) of the op's arguments, checked."""
+    tensors, scalars = args[:11], (*args[11:], *_DEFAULTS[len(args) - 13 :])
+    return tensors, scalars, _check(*tensors, radius=scalars[2], alpha=scalars[3])
+
+
 def _outputs(B: int, P: int, code: int, device: torch.device) -> FCOS3DTargets:
     long, f32 = torch.int64, torch.float32
     return FCOS3DTargets(
@@ -138,28 +150,12 @@ def _outputs(B: int, P: int, code: int, device: torch.device) -> FCOS3DTargets:
 # --------------------------------------------------------------------------------------------
 
 
-def _reference(
-    points: torch.Tensor,
-    point_strides: torch.Tensor,
-    regress_ranges: torch.Tensor,
-    gt_bboxes: torch.Tensor,
-    gt_labels: torch.Tensor,
-    gt_bboxes_3d: torch.Tensor,
-    gt_labels_3d: torch.Tensor,
-    centers2d: torch.Tensor,
-    depths: torch.Tensor,
-    attr_labels: torch.Tensor,
-    gt_valid: torch.Tensor,
-    background_label: int,
-    attr_background_label: int,
-    center_sample_radius: float = 1.5,
-    centerness_alpha: float = 2.5,
-) -> tuple[torch.Tensor, ...]:
-    tensors = (
-        points, point_strides, regress_ranges, gt_bboxes, gt_labels, gt_bboxes_3d,
-        gt_labels_3d, centers2d, depths, attr_labels, gt_valid,
-    )  # fmt: skip
-    B, P, G, code = _check(*tensors, radius=center_sample_radius, alpha=centerness_alpha)
+def _reference(*args: Any) -> tuple[torch.Tensor, ...]:
+    """The reference; arguments as in the op's schema (see :func:`fcos3d_targets`)."""
+    tensors, scalars, (B, P, G, code) = _call(args)
+    (points, point_strides, regress_ranges, gt_bboxes, gt_labels, gt_bboxes_3d, gt_labels_3d,
+     centers2d, depths, attr_labels, gt_valid) = tensors  # fmt: skip
+    background_label, attr_background_label, center_sample_radius, centerness_alpha = scalars
     device = points.device
     out = _outputs(B, P, code, device)
     if B * P == 0:
@@ -230,76 +226,35 @@ def _reference(
 # --------------------------------------------------------------------------------------------
 
 
-def _fcos3d_cuda(
-    points: torch.Tensor,
-    point_strides: torch.Tensor,
-    regress_ranges: torch.Tensor,
-    gt_bboxes: torch.Tensor,
-    gt_labels: torch.Tensor,
-    gt_bboxes_3d: torch.Tensor,
-    gt_labels_3d: torch.Tensor,
-    centers2d: torch.Tensor,
-    depths: torch.Tensor,
-    attr_labels: torch.Tensor,
-    gt_valid: torch.Tensor,
-    background_label: int,
-    attr_background_label: int,
-    center_sample_radius: float = 1.5,
-    centerness_alpha: float = 2.5,
-) -> tuple[torch.Tensor, ...]:
-    tensors = (
-        points, point_strides, regress_ranges, gt_bboxes, gt_labels, gt_bboxes_3d,
-        gt_labels_3d, centers2d, depths, attr_labels, gt_valid,
-    )  # fmt: skip
-    B, P, G, code = _check(*tensors, radius=center_sample_radius, alpha=centerness_alpha)
+def _fcos3d_cuda(*args: Any) -> tuple[torch.Tensor, ...]:
+    tensors, scalars, (B, P, G, code) = _call(args)
+    background_label, attr_background_label, center_sample_radius, centerness_alpha = scalars
+    points = tensors[0]
     if not use_kernel(FCOS3D, points.device, ()):
-        return _reference(
-            *tensors, background_label, attr_background_label, center_sample_radius,
-            centerness_alpha,
-        )  # fmt: skip
+        return _reference(*tensors, *scalars)
     import numpy as np  # only on the CUDA path: `import aiak.ops` stays free of numpy
 
     out = _outputs(B, P, code, points.device)
     if B * P == 0:
         return tuple(out)
     p = _cuda.ptr
-    args = [p(t.contiguous()) for t in tensors]  # contiguous() is free for the usual layout
+    ptrs = [p(t.contiguous()) for t in tensors]  # contiguous() is free for the usual layout
     with _cuda.on_device(points.device):
         fn = _cuda.get_function(_SOURCE, "fcos3d_targets", _OPTIONS)
         _cuda.launch(
             fn,
             (-(-P // _BLOCK), B),
             _BLOCK,
-            (*args, *(p(t) for t in out), np.int32(P), np.int32(G), np.int32(code),
+            (*ptrs, *(p(t) for t in out), np.int32(P), np.int32(G), np.int32(code),
              np.float64(center_sample_radius), np.float32(-centerness_alpha),
              np.int64(background_label), np.int64(attr_background_label)),
         )  # fmt: skip
     return tuple(out)
 
 
-def _fake(
-    points: torch.Tensor,
-    point_strides: torch.Tensor,
-    regress_ranges: torch.Tensor,
-    gt_bboxes: torch.Tensor,
-    gt_labels: torch.Tensor,
-    gt_bboxes_3d: torch.Tensor,
-    gt_labels_3d: torch.Tensor,
-    centers2d: torch.Tensor,
-    depths: torch.Tensor,
-    attr_labels: torch.Tensor,
-    gt_valid: torch.Tensor,
-    background_label: int,
-    attr_background_label: int,
-    center_sample_radius: float = 1.5,
-    centerness_alpha: float = 2.5,
-) -> tuple[torch.Tensor, ...]:
-    tensors = (
-        points, point_strides, regress_ranges, gt_bboxes, gt_labels, gt_bboxes_3d,
-        gt_labels_3d, centers2d, depths, attr_labels, gt_valid,
-    )  # fmt: skip
-    B, P, _, code = _check(*tensors, radius=center_sample_radius, alpha=centerness_alpha)
-    return tuple(_outputs(B, P, code, points.device))
+def _fake(*args: Any) -> tuple[torch.Tensor, ...]:
+    tensors, _, (B, P, _, code) = _call(args)
+    return tuple(_outputs(B, P, code, tensors[0].device))
 
 
 FCOS3D_OP = define(

@@ -39,7 +39,7 @@ dispatch (its launcher is ops/_simota_cuda.py), the op declaration, the public f
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -65,30 +65,30 @@ class SimOTAAssignment(NamedTuple):
     num_fg: torch.Tensor
 
 
+_NAMES = (
+    "gt_boxes",
+    "gt_classes",
+    "gt_valid",
+    "anchor_centers",
+    "anchor_strides",
+    "pred_boxes",
+    "cls_logits",
+    "obj_logits",
+)
+# the schema's center_radius, center_only, geometry_penalty and box_format: the dispatcher
+# leaves out trailing arguments equal to their defaults
+_DEFAULTS = (2.5, False, True, "cxcywh")
+
+
 def _check(
-    gt_boxes: torch.Tensor,
-    gt_classes: torch.Tensor,
-    gt_valid: torch.Tensor,
-    anchor_centers: torch.Tensor,
-    anchor_strides: torch.Tensor,
-    pred_boxes: torch.Tensor,
-    cls_logits: torch.Tensor,
-    obj_logits: torch.Tensor,
-    center_radius: float,
-    box_format: str,
+    tensors: tuple[torch.Tensor, ...], center_radius: float, box_format: str
 ) -> tuple[int, int, int, int]:
-    """Shapes, dtypes and devices; returns (B, G, A, C). Shared by reference, kernel and fake."""
+    """Shapes, dtypes and devices of the 8 tensors (``_NAMES``); returns (B, G, A, C). Shared by
+    reference, kernel and fake."""
     op = "simota_assign"
-    named = (
-        ("gt_boxes", gt_boxes),
-        ("gt_classes", gt_classes),
-        ("gt_valid", gt_valid),
-        ("anchor_centers", anchor_centers),
-        ("anchor_strides", anchor_strides),
-        ("pred_boxes", pred_boxes),
-        ("cls_logits", cls_logits),
-        ("obj_logits", obj_logits),
-    )
+    named = tuple(zip(_NAMES, tensors))
+    gt_boxes, gt_classes, gt_valid, anchor_centers, anchor_strides, pred_boxes = tensors[:6]
+    cls_logits, obj_logits = tensors[6:]
     for name, t in named:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
@@ -146,6 +146,13 @@ def _check(
     return B, G, A, C
 
 
+def _call(args: tuple) -> tuple[tuple, tuple, tuple[int, int, int, int]]:
+    """(the 8 tensors, (center_radius, center_only, geometry_penalty, box_format), (B, G, A, C))
+    of the op's arguments, checked."""
+    tensors, options = args[:8], (*args[8:], *_DEFAULTS[len(args) - 8 :])
+    return tensors, options, _check(tensors, options[0], options[3])
+
+
 def _outputs(B: int, A: int, device: torch.device) -> SimOTAAssignment:
     return SimOTAAssignment(
         torch.empty(B, A, dtype=torch.bool, device=device),
@@ -174,25 +181,13 @@ def _sigmoid(x: torch.Tensor) -> torch.Tensor:
     return 1.0 / (1.0 + torch.exp(-x))
 
 
-def _reference(
-    gt_boxes: torch.Tensor,
-    gt_classes: torch.Tensor,
-    gt_valid: torch.Tensor,
-    anchor_centers: torch.Tensor,
-    anchor_strides: torch.Tensor,
-    pred_boxes: torch.Tensor,
-    cls_logits: torch.Tensor,
-    obj_logits: torch.Tensor,
-    center_radius: float = 2.5,
-    center_only: bool = False,
-    geometry_penalty: bool = True,
-    box_format: str = "cxcywh",
-) -> tuple[torch.Tensor, ...]:
-    """The reference: vectorised over images, gts and anchors ([B, G, A] tensors), float64."""
-    B, G, A, C = _check(
-        gt_boxes, gt_classes, gt_valid, anchor_centers, anchor_strides, pred_boxes,
-        cls_logits, obj_logits, center_radius, box_format,
-    )  # fmt: skip
+def _reference(*args: Any) -> tuple[torch.Tensor, ...]:
+    """The reference: vectorised over images, gts and anchors ([B, G, A] tensors), float64;
+    arguments as in the op's schema (see :func:`simota_assign`)."""
+    tensors, options, (B, G, A, C) = _call(args)
+    (gt_boxes, gt_classes, gt_valid, anchor_centers, anchor_strides, pred_boxes, cls_logits,
+     obj_logits) = tensors  # fmt: skip
+    center_radius, center_only, geometry_penalty, box_format = options
     device = gt_boxes.device
     in_range = (gt_classes >= 0) & (gt_classes < C)
     if device.type == "cpu" and bool((gt_valid & ~in_range).any()):
@@ -281,51 +276,16 @@ def _reference(
     return tuple(out)
 
 
-def _simota_cuda(
-    gt_boxes: torch.Tensor,
-    gt_classes: torch.Tensor,
-    gt_valid: torch.Tensor,
-    anchor_centers: torch.Tensor,
-    anchor_strides: torch.Tensor,
-    pred_boxes: torch.Tensor,
-    cls_logits: torch.Tensor,
-    obj_logits: torch.Tensor,
-    center_radius: float = 2.5,
-    center_only: bool = False,
-    geometry_penalty: bool = True,
-    box_format: str = "cxcywh",
-) -> tuple[torch.Tensor, ...]:
-    args = (
-        gt_boxes, gt_classes, gt_valid, anchor_centers, anchor_strides, pred_boxes,
-        cls_logits, obj_logits,
-    )  # fmt: skip
-    B, G, A, C = _check(*args, center_radius, box_format)
-    if not use_kernel(SIMOTA, gt_boxes.device, ()):
-        return _reference(*args, center_radius, center_only, geometry_penalty, box_format)
-    return launch_simota(
-        args, (B, G, A, C), center_radius, center_only, geometry_penalty, box_format
-    )
+def _simota_cuda(*args: Any) -> tuple[torch.Tensor, ...]:
+    tensors, options, sizes = _call(args)
+    if not use_kernel(SIMOTA, tensors[0].device, ()):
+        return _reference(*tensors, *options)
+    return launch_simota(tensors, sizes, *options)
 
 
-def _fake(
-    gt_boxes: torch.Tensor,
-    gt_classes: torch.Tensor,
-    gt_valid: torch.Tensor,
-    anchor_centers: torch.Tensor,
-    anchor_strides: torch.Tensor,
-    pred_boxes: torch.Tensor,
-    cls_logits: torch.Tensor,
-    obj_logits: torch.Tensor,
-    center_radius: float = 2.5,
-    center_only: bool = False,
-    geometry_penalty: bool = True,
-    box_format: str = "cxcywh",
-) -> tuple[torch.Tensor, ...]:
-    B, _, A, _ = _check(
-        gt_boxes, gt_classes, gt_valid, anchor_centers, anchor_strides, pred_boxes,
-        cls_logits, obj_logits, center_radius, box_format,
-    )  # fmt: skip
-    return tuple(_outputs(B, A, gt_boxes.device))
+def _fake(*args: Any) -> tuple[torch.Tensor, ...]:
+    tensors, _, (B, _, A, _) = _call(args)
+    return tuple(_outputs(B, A, tensors[0].device))
 
 
 SIMOTA_OP = define(
@@ -373,7 +333,7 @@ def simota_assign(
         cls_logits, obj_logits,
     )  # fmt: skip
     # before the dispatcher's own TypeError, so the message names the argument
-    _check(*args, center_radius, box_format)
+    _check(args, center_radius, box_format)
     return SimOTAAssignment(
         *SIMOTA_OP(*args, float(center_radius), center_only, geometry_penalty, box_format)
     )
