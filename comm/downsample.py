@@ -1,12 +1,20 @@
 """Gossip downsampling with gradient momentum (Perseus's PERSEUS_DOWNSAMPLE_N_ELEMENTS and
 PERSEUS_GRADIENT_MOMENTUM).
 
-Each step communicates a rotating ``1/n`` of every bucket: at step ``s`` the elements
-``[c*L//n, (c+1)*L//n)`` with ``c = s % n`` (``L`` the bucket length), so every element
-travels once every ``n`` steps. Every element keeps a local memory ``mem = momentum*mem + g``;
-the travelling slice sends its memory (then zeroed) through ``inner``, and the bucket's result
-is that averaged slice with zeros elsewhere. With ``momentum=1`` the memory is the sum of the
-gradients since the element last travelled: nothing is lost, only delayed.
+Each step communicates a rotating ``1/n`` of every bucket, chosen by ``c = s % n`` at step
+``s`` (``L`` the bucket length):
+
+* ``rotation="strided"`` (default): the elements ``c, c+n, c+2n, ...`` of the bucket;
+* ``rotation="contiguous"``: the block ``[c*L//n, (c+1)*L//n)``.
+
+Either way every element travels once every ``n`` steps. Every element keeps a local memory
+``mem = momentum*mem + g``; the travelling elements send their memory (then zeroed) through
+``inner``, and the bucket's result is their average with zeros elsewhere. With ``momentum=1``
+the memory is the sum of the gradients since the element last travelled: nothing is lost, only
+delayed, so an element's update arrives as one step of up to ``n`` gradients. Strided spreads
+those bursts over every tensor and every row of it each step; contiguous blocks hand a whole
+layer its burst at once (a bucket's last tensors travel together), and the larger per-step
+change of the network trains worse (docs/dgc.md: digits, 6 seeds).
 """
 
 from __future__ import annotations
@@ -24,14 +32,21 @@ __all__ = ["DownsampleState", "downsample"]
 
 
 class DownsampleState(HookState):
-    __slots__ = ("inner", "memory", "momentum", "n")
+    __slots__ = ("inner", "memory", "momentum", "n", "rotation")
 
-    def __init__(self, n: int, momentum: float, inner: HookState) -> None:
+    def __init__(
+        self, n: int, momentum: float, inner: HookState, rotation: str = "strided"
+    ) -> None:
         super().__init__()
         self.n = n
         self.momentum = momentum
+        self.rotation = rotation
         self.inner = inner
         self.memory: dict[str, torch.Tensor] = {}  # per parameter, fp32
+
+    def __setstate__(self, d: dict[str, Any]) -> None:
+        self.rotation = "contiguous"  # a state pickled before ``rotation`` existed used blocks
+        super().__setstate__(d)
 
     def children(self) -> tuple[HookState, ...]:
         return (self.inner,)
@@ -47,8 +62,15 @@ class _Downsample(Wrapper):
     def reduce(self, state: DownsampleState, bucket: Any, link: Link) -> torch.futures.Future:
         buf = bucket.buffer()
         length, base = buf.numel(), buf.storage_offset()
-        c = bucket.step % state.n
-        lo, hi = c * length // state.n, (c + 1) * length // state.n
+        n_rot = state.n
+        c = bucket.step % n_rot
+        strided = state.rotation == "strided"
+        if strided:  # bucket positions q = c (mod n); position q goes to send[q // n]
+            lo, hi = 0, len(range(c, length, n_rot))
+            out = buf[c::n_rot]
+        else:
+            lo, hi = c * length // n_rot, (c + 1) * length // n_rot
+            out = buf[lo:hi]
         send = torch.empty(hi - lo, dtype=buf.dtype, device=buf.device)
         names = state._names or {}
         params = bucket.parameters()
@@ -62,10 +84,18 @@ class _Downsample(Wrapper):
             if mem is None or mem.numel() != n or mem.device != buf.device:
                 mem = state.memory[key] = torch.zeros(n, dtype=torch.float32, device=buf.device)
             mem.mul_(state.momentum).add_(flat)
-            a, b = max(off, lo), min(off + n, hi)
-            if a < b:
-                send[a - lo : b - lo].copy_(mem[a - off : b - off])
-                mem[a - off : b - off].zero_()
+            if strided:
+                first = (c - off) % n_rot  # this tensor's first travelling element
+                if first < n:
+                    mine = mem[first::n_rot]
+                    a = (off + first) // n_rot
+                    send[a : a + mine.numel()].copy_(mine)
+                    mine.zero_()
+            else:
+                a, b = max(off, lo), min(off + n, hi)
+                if a < b:
+                    send[a - lo : b - lo].copy_(mem[a - off : b - off])
+                    mem[a - off : b - off].zero_()
         if hi == lo:  # a bucket shorter than n: this step sends none of it (on every rank)
             buf.zero_()
             return _futures.done(buf)
@@ -74,15 +104,21 @@ class _Downsample(Wrapper):
         def place(value: torch.Tensor) -> torch.Tensor:
             _streams.keep(send)
             buf.zero_()
-            buf[lo:hi].copy_(value.reshape(-1)[: hi - lo])
+            out.copy_(value.reshape(-1)[: hi - lo])
             return buf
 
         return _futures.after(fut, place, buf)
 
 
-def downsample(inner: CommHook | None = None, n: int = 2, momentum: float = 1.0) -> CommHook:
+def downsample(
+    inner: CommHook | None = None,
+    n: int = 2,
+    momentum: float = 1.0,
+    rotation: str = "strided",
+) -> CommHook:
     """Send a rotating ``1/n`` of every bucket through ``inner`` (default: allreduce); the
-    rest stays in a local memory with gradient ``momentum`` (see the module docstring)."""
+    rest stays in a local memory with gradient ``momentum``. ``rotation``: ``"strided"``
+    (every ``n``-th element) or ``"contiguous"`` (blocks); see the module docstring."""
     inner = allreduce() if inner is None else inner
     check_hook("downsample", "inner", inner)
     if isinstance(n, bool) or not isinstance(n, int):
@@ -93,4 +129,8 @@ def downsample(inner: CommHook | None = None, n: int = 2, momentum: float = 1.0)
         raise TypeError(f"downsample: momentum must be a number, got {type(momentum).__name__}")
     if not 0 < momentum <= 1:
         raise ValueError(f"downsample: momentum must be in (0, 1], got {momentum}")
-    return _Downsample(DownsampleState(n, float(momentum), inner.state), inner)
+    if rotation not in ("strided", "contiguous"):
+        raise ValueError(
+            f"downsample: rotation must be 'strided' or 'contiguous', got {rotation!r}"
+        )
+    return _Downsample(DownsampleState(n, float(momentum), inner.state, rotation), inner)
