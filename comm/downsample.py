@@ -4,17 +4,23 @@ PERSEUS_GRADIENT_MOMENTUM).
 Each step communicates a rotating ``1/n`` of every bucket, chosen by ``c = s % n`` at step
 ``s`` (``L`` the bucket length):
 
-* ``rotation="strided"`` (default): the elements ``c, c+n, c+2n, ...`` of the bucket;
-* ``rotation="contiguous"``: the block ``[c*L//n, (c+1)*L//n)``.
+* ``rotation="contiguous"`` (default): the block ``[c*L//n, (c+1)*L//n)``;
+* ``rotation="strided"``: the elements ``c, c+n, c+2n, ...`` of the bucket (every tensor
+  gets a share each step instead of a whole layer every ``n`` steps).
 
 Either way every element travels once every ``n`` steps. Every element keeps a local memory
 ``mem = momentum*mem + g``; the travelling elements send their memory (then zeroed) through
 ``inner``, and the bucket's result is their average with zeros elsewhere. With ``momentum=1``
 the memory is the sum of the gradients since the element last travelled: nothing is lost, only
-delayed, so an element's update arrives as one step of up to ``n`` gradients. Strided spreads
-those bursts over every tensor and every row of it each step; contiguous blocks hand a whole
-layer its burst at once (a bucket's last tensors travel together), and the larger per-step
-change of the network trains worse (docs/dgc.md: digits, 6 seeds).
+delayed, so an element's update arrives as one step of up to ``n`` gradients.
+
+``sgd_momentum=m > 0`` moves SGD's momentum into the hook (DGC's momentum correction): every
+element keeps a velocity ``u = m*u + g`` every step, and the memory accumulates ``u`` instead
+of ``g``; the optimizer then runs without gradient momentum (``aiak.comm.DGCSGD(momentum=m)``
+applies momentum to weight decay only). An element's travelling update is then the velocity
+steps it missed, with no optimizer momentum carrying a stale burst on after it arrives; with a
+momentum optimizer instead, a burst of ``n`` delayed gradients keeps driving the parameter for
+``~1/(1-m)`` steps while newer bursts arrive, which oscillates (docs/dgc.md: digits, 6 seeds).
 """
 
 from __future__ import annotations
@@ -32,20 +38,28 @@ __all__ = ["DownsampleState", "downsample"]
 
 
 class DownsampleState(HookState):
-    __slots__ = ("inner", "memory", "momentum", "n", "rotation")
+    __slots__ = ("inner", "memory", "momentum", "n", "rotation", "sgd_momentum", "velocity")
 
     def __init__(
-        self, n: int, momentum: float, inner: HookState, rotation: str = "strided"
+        self,
+        n: int,
+        momentum: float,
+        inner: HookState,
+        rotation: str = "contiguous",
+        sgd_momentum: float = 0.0,
     ) -> None:
         super().__init__()
         self.n = n
         self.momentum = momentum
         self.rotation = rotation
+        self.sgd_momentum = sgd_momentum
         self.inner = inner
         self.memory: dict[str, torch.Tensor] = {}  # per parameter, fp32
+        self.velocity: dict[str, torch.Tensor] = {}  # per parameter, fp32 (sgd_momentum > 0)
 
     def __setstate__(self, d: dict[str, Any]) -> None:
-        self.rotation = "contiguous"  # a state pickled before ``rotation`` existed used blocks
+        # a state pickled before these settings existed rotated blocks without velocity
+        self.rotation, self.sgd_momentum, self.velocity = "contiguous", 0.0, {}
         super().__setstate__(d)
 
     def children(self) -> tuple[HookState, ...]:
@@ -83,6 +97,11 @@ class _Downsample(Wrapper):
             mem = state.memory.get(key)
             if mem is None or mem.numel() != n or mem.device != buf.device:
                 mem = state.memory[key] = torch.zeros(n, dtype=torch.float32, device=buf.device)
+            if state.sgd_momentum:
+                vel = state.velocity.get(key)
+                if vel is None or vel.numel() != n or vel.device != buf.device:
+                    vel = state.velocity[key] = torch.zeros_like(mem)
+                flat = vel.mul_(state.sgd_momentum).add_(flat)
             mem.mul_(state.momentum).add_(flat)
             if strided:
                 first = (c - off) % n_rot  # this tensor's first travelling element
@@ -114,11 +133,14 @@ def downsample(
     inner: CommHook | None = None,
     n: int = 2,
     momentum: float = 1.0,
-    rotation: str = "strided",
+    rotation: str = "contiguous",
+    sgd_momentum: float = 0.0,
 ) -> CommHook:
     """Send a rotating ``1/n`` of every bucket through ``inner`` (default: allreduce); the
     rest stays in a local memory with gradient ``momentum``. ``rotation``: ``"strided"``
-    (every ``n``-th element) or ``"contiguous"`` (blocks); see the module docstring."""
+    (every ``n``-th element) or ``"contiguous"`` (blocks). ``sgd_momentum > 0``: SGD's
+    momentum lives in the hook (pair with ``DGCSGD`` or an SGD without momentum); see the
+    module docstring."""
     inner = allreduce() if inner is None else inner
     check_hook("downsample", "inner", inner)
     if isinstance(n, bool) or not isinstance(n, int):
@@ -133,4 +155,11 @@ def downsample(
         raise ValueError(
             f"downsample: rotation must be 'strided' or 'contiguous', got {rotation!r}"
         )
-    return _Downsample(DownsampleState(n, float(momentum), inner.state, rotation), inner)
+    if isinstance(sgd_momentum, bool) or not isinstance(sgd_momentum, (int, float)):
+        raise TypeError(
+            f"downsample: sgd_momentum must be a number, got {type(sgd_momentum).__name__}"
+        )
+    if not 0 <= sgd_momentum < 1:
+        raise ValueError(f"downsample: sgd_momentum must be in [0, 1), got {sgd_momentum}")
+    state = DownsampleState(n, float(momentum), inner.state, rotation, float(sgd_momentum))
+    return _Downsample(state, inner)

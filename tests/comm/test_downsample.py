@@ -74,17 +74,23 @@ def run(hook, bucket: LayoutBucket, grads: list[torch.Tensor]) -> list[torch.Ten
     n=st.integers(2, 5),
     rotation=st.sampled_from(["strided", "contiguous"]),
     momentum=st.sampled_from([1.0, 0.5]),
+    sgd_momentum=st.sampled_from([0.0, 0.9]),
     seed=st.integers(0, 2**16),
 )
-def test_each_element_sends_its_memory_at_its_turn(sizes, n, rotation, momentum, seed):
+def test_each_element_sends_its_memory_at_its_turn(
+    sizes, n, rotation, momentum, sgd_momentum, seed
+):
     bucket = LayoutBucket(sizes)
     length = bucket.buf.numel()
     gen = torch.Generator().manual_seed(seed)
     grads = [torch.rand(length, generator=gen) + 0.5 for _ in range(3 * n)]
-    outs = run(comm.downsample(n=n, momentum=momentum, rotation=rotation), bucket, grads)
+    hook = comm.downsample(n=n, momentum=momentum, rotation=rotation, sgd_momentum=sgd_momentum)
+    outs = run(hook, bucket, grads)
     mem = torch.zeros(length, dtype=torch.float64)
+    vel = torch.zeros(length, dtype=torch.float64)  # every element's, travelling or not
     for step, (g, out) in enumerate(zip(grads, outs)):
-        mem = momentum * mem + g.double()
+        vel = sgd_momentum * vel + g.double()
+        mem = momentum * mem + (vel if sgd_momentum else g.double())
         mask = travels(rotation, length, n, step)
         expect = torch.where(mask, mem, torch.zeros_like(mem))
         torch.testing.assert_close(out.double(), expect, rtol=1e-6, atol=1e-6)
@@ -95,7 +101,7 @@ def test_each_element_sends_its_memory_at_its_turn(sizes, n, rotation, momentum,
 
 
 def test_strided_reaches_every_tensor_every_step():
-    # The point of "strided": no tensor waits n steps for its whole update at once.
+    # "strided": no tensor waits n steps for its whole update at once.
     sizes = [40, 8, 24]
     n = 4
     bucket = LayoutBucket(sizes)
@@ -109,15 +115,41 @@ def test_strided_reaches_every_tensor_every_step():
     assert bucket.buf.numel() == sum(sizes)
 
 
-def test_rotation_is_validated_and_pickled():
+def test_settings_are_validated_and_pickled():
     with pytest.raises(ValueError, match="rotation"):
         comm.downsample(n=2, rotation="random")
-    state = comm.downsample(n=3, rotation="contiguous").state
-    assert pickle.loads(pickle.dumps(state)).rotation == "contiguous"
-    assert comm.downsample(n=3).state.rotation == "strided"
+    with pytest.raises(ValueError, match="sgd_momentum"):
+        comm.downsample(n=2, sgd_momentum=1.0)
+    with pytest.raises(TypeError, match="sgd_momentum"):
+        comm.downsample(n=2, sgd_momentum="0.9")
+    state = comm.downsample(n=3, rotation="strided").state
+    assert pickle.loads(pickle.dumps(state)).rotation == "strided"
+    state = comm.downsample(n=3).state
+    assert state.rotation == "contiguous" and state.sgd_momentum == 0.0
     # a state pickled before ``rotation`` existed rotated blocks: it continues doing so
     d = state.__getstate__()
     del d["rotation"]
     old = comm.DownsampleState.__new__(comm.DownsampleState)
     old.__setstate__(d)
     assert old.rotation == "contiguous" and old.n == 3
+    assert old.sgd_momentum == 0.0 and old.velocity == {}
+
+
+def test_sgd_momentum_velocity_survives_pickling():
+    sizes, n = [10, 6], 3
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.rand(sum(sizes), generator=gen) for _ in range(8)]
+    hook = comm.downsample(n=n, sgd_momentum=0.9)
+    whole = run(hook, LayoutBucket(sizes), grads)
+    first = comm.downsample(n=n, sgd_momentum=0.9)
+    run(first, LayoutBucket(sizes), grads[:4])
+    resumed = comm.downsample(n=n, sgd_momentum=0.9)
+    resumed.state.__setstate__(pickle.loads(pickle.dumps(first.state)).__getstate__())
+    assert resumed.state.velocity and resumed.state.memory
+    state = ready(resumed, CountingGroup())
+    bucket = LayoutBucket(sizes)
+    for step in range(4, 8):
+        bucket.buf.copy_(grads[step])
+        sub = _buckets.SubBucket(bucket.buffer(), None, bucket, step=step)
+        out = _futures.real(resumed.reduce(state, sub, state._link)).wait()
+        assert torch.equal(out, whole[step])
