@@ -36,12 +36,19 @@ from torch import nn
 WORLD = 4
 
 
-def load(seed: int) -> tuple[torch.Tensor, ...]:
+def digits() -> tuple[torch.Tensor, torch.Tensor]:
+    """All 1,797 images (scaled to [0, 1]) and labels."""
     from sklearn.datasets import load_digits  # optional dependency: the example needs it
 
     data = load_digits()
     x = torch.tensor(data.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(data.target, dtype=torch.int64)
+    return x, torch.tensor(data.target, dtype=torch.int64)
+
+
+def load(seed: int, path: str | None = None) -> tuple[torch.Tensor, ...]:
+    """Train and test split for ``seed``; ``path``: ``digits()`` saved by the launcher, so the
+    ranks do not each import scikit-learn."""
+    x, y = torch.load(path) if path else digits()
     perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
     x, y = x[perm], y[perm]
     return x[360:], y[360:], x[:360], y[:360]
@@ -54,10 +61,12 @@ def net(seed: int, hidden: int = 1024) -> nn.Module:
     )
 
 
-def run_mode(mode: str, epochs: int, seed: int, rank: int, hidden: int = 1024) -> dict:
+def run_mode(
+    mode: str, epochs: int, seed: int, rank: int, hidden: int = 1024, data: str | None = None
+) -> dict:
     from aiak import comm
 
-    xtr, ytr, xte, yte = load(seed)
+    xtr, ytr, xte, yte = load(seed, data)
     xtr, ytr = xtr[rank::WORLD], ytr[rank::WORLD]
     model = net(seed, hidden)
     ddp = nn.parallel.DistributedDataParallel(model)
@@ -90,7 +99,7 @@ def run_mode(mode: str, epochs: int, seed: int, rank: int, hidden: int = 1024) -
     return {"accuracy": acc, "bytes": b["intra_total"] + b["inter_total"]}
 
 
-def worker(out: str, epochs: int, seeds: list[int], hidden: int) -> None:
+def worker(out: str, epochs: int, seeds: list[int], hidden: int, data: str | None) -> None:
     import torch.distributed as dist
 
     from aiak import comm
@@ -103,7 +112,7 @@ def worker(out: str, epochs: int, seeds: list[int], hidden: int) -> None:
         runs = results[str(seed)] = {}
         for mode in ("dense", "dgc", "downsample"):
             t = time.perf_counter()
-            runs[mode] = run_mode(mode, epochs, seed, rank, hidden)
+            runs[mode] = run_mode(mode, epochs, seed, rank, hidden, data)
             runs[mode]["seconds"] = round(time.perf_counter() - t, 1)
     if rank == 0:
         Path(out).write_text(json.dumps(results))
@@ -120,6 +129,8 @@ def launch(
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "result.json")
+        data = str(Path(tmp) / "digits.pt")
+        torch.save(digits(), data)
         procs = []
         for rank in range(WORLD):
             env = dict(os.environ)
@@ -130,7 +141,8 @@ def launch(
                 MASTER_PORT=str(port),
                 OMP_NUM_THREADS="1",
             )
-            cmd = [sys.executable, __file__, "--worker", out, "--epochs", str(epochs)]
+            cmd = [sys.executable, __file__, "--worker", out, "--data", data]
+            cmd += ["--epochs", str(epochs)]
             cmd += ["--seeds", ",".join(map(str, seeds)), "--hidden", str(hidden)]
             procs.append(subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE))
         deadline = time.monotonic() + limit
@@ -156,10 +168,11 @@ def main() -> None:
     p.add_argument("--seeds", default="0", help="comma-separated, e.g. 0,1,2")
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--worker", default=None)
+    p.add_argument("--data", default=None)
     args = p.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     if args.worker:
-        worker(args.worker, args.epochs, seeds, args.hidden)
+        worker(args.worker, args.epochs, seeds, args.hidden, args.data)
         return
     r = launch(args.epochs, seeds, limit=300.0 * len(seeds), hidden=args.hidden)
     for seed, runs in r.items():
