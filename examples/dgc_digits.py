@@ -1,6 +1,6 @@
 """DGC and gossip downsampling on 4 gloo CPU ranks reach dense SGD's accuracy (sklearn digits).
 
-    python examples/dgc_digits.py [--epochs 20] [--seeds 0,1,2] [--hidden 1024]
+    python examples/dgc_digits.py [--epochs 20] [--seeds 0,1,2] [--hidden 1024] [--lr 0.1]
 
 8x8 handwritten digits (ship with scikit-learn; 1,437 train / 360 test), split over 4 ranks; a
 bias-free 64-1024-10 MLP (DGC compresses tensors with dim > 1 only: without biases every
@@ -9,8 +9,7 @@ gradient byte goes through it). Three runs in one process group, each from the s
 * dense: DDP allreduce (aiak.comm.allreduce, for its byte counter), SGD momentum 0.9;
 * dgc: aiak.comm.dgc(compress_ratio=0.001, fp16_values=True, int32_indices=True) with
   aiak.comm.DGCSGD (momentum in DGC's memory);
-* downsample: aiak.comm.downsample(n=4, sgd_momentum=0.9) with aiak.comm.DGCSGD (SGD's
-  momentum 0.9 kept in the hook, as DGC does: see comm/downsample.py).
+* downsample: aiak.comm.downsample(n=4), SGD momentum 0.9.
 
 Prints each run's test accuracy and the gradient bytes rank 0 sent (counted by the hooks), and
 the ratios; with several seeds (each its own data split, weights and batch order), each seed's
@@ -62,7 +61,13 @@ def net(seed: int, hidden: int = 1024) -> nn.Module:
 
 
 def run_mode(
-    mode: str, epochs: int, seed: int, rank: int, hidden: int = 1024, data: str | None = None
+    mode: str,
+    epochs: int,
+    seed: int,
+    rank: int,
+    hidden: int = 1024,
+    data: str | None = None,
+    lr: float = 0.1,
 ) -> dict:
     from aiak import comm
 
@@ -70,17 +75,13 @@ def run_mode(
     xtr, ytr = xtr[rank::WORLD], ytr[rank::WORLD]
     model = net(seed, hidden)
     ddp = nn.parallel.DistributedDataParallel(model)
-    lr, batch = 0.1, 16
+    batch = 16
     if mode == "dgc":
         hook = comm.dgc(compress_ratio=0.001, fp16_values=True, int32_indices=True)
         opt: torch.optim.Optimizer = comm.DGCSGD(model.parameters(), lr=lr, momentum=0.9)
     else:
-        if mode == "downsample":
-            hook = comm.downsample(n=4, sgd_momentum=0.9)
-            opt = comm.DGCSGD(model.parameters(), lr=lr, momentum=0.9)
-        else:
-            hook = comm.allreduce()
-            opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+        hook = comm.downsample(n=4) if mode == "downsample" else comm.allreduce()
+        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     comm.register(ddp, hook)
     g = torch.Generator().manual_seed(seed)
     steps = len(xtr) // batch
@@ -99,7 +100,9 @@ def run_mode(
     return {"accuracy": acc, "bytes": b["intra_total"] + b["inter_total"]}
 
 
-def worker(out: str, epochs: int, seeds: list[int], hidden: int, data: str | None) -> None:
+def worker(
+    out: str, epochs: int, seeds: list[int], hidden: int, data: str | None, lr: float
+) -> None:
     import torch.distributed as dist
 
     from aiak import comm
@@ -112,7 +115,7 @@ def worker(out: str, epochs: int, seeds: list[int], hidden: int, data: str | Non
         runs = results[str(seed)] = {}
         for mode in ("dense", "dgc", "downsample"):
             t = time.perf_counter()
-            runs[mode] = run_mode(mode, epochs, seed, rank, hidden, data)
+            runs[mode] = run_mode(mode, epochs, seed, rank, hidden, data, lr)
             runs[mode]["seconds"] = round(time.perf_counter() - t, 1)
     if rank == 0:
         Path(out).write_text(json.dumps(results))
@@ -120,7 +123,11 @@ def worker(out: str, epochs: int, seeds: list[int], hidden: int, data: str | Non
 
 
 def launch(
-    epochs: int, seeds: list[int] | tuple[int, ...] = (0,), limit: float = 300.0, hidden: int = 1024
+    epochs: int,
+    seeds: list[int] | tuple[int, ...] = (0,),
+    limit: float = 300.0,
+    hidden: int = 1024,
+    lr: float = 0.1,
 ) -> dict[str, dict]:
     """Run the 4 ranks as subprocesses; every one is joined or killed within ``limit``.
     Returns ``{str(seed): {mode: {"accuracy", "bytes", "seconds"}}}``."""
@@ -144,6 +151,7 @@ def launch(
             cmd = [sys.executable, __file__, "--worker", out, "--data", data]
             cmd += ["--epochs", str(epochs)]
             cmd += ["--seeds", ",".join(map(str, seeds)), "--hidden", str(hidden)]
+            cmd += ["--lr", repr(lr)]
             procs.append(subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE))
         deadline = time.monotonic() + limit
         errors = []
@@ -167,14 +175,15 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--seeds", default="0", help="comma-separated, e.g. 0,1,2")
     p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--worker", default=None)
     p.add_argument("--data", default=None)
     args = p.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     if args.worker:
-        worker(args.worker, args.epochs, seeds, args.hidden, args.data)
+        worker(args.worker, args.epochs, seeds, args.hidden, args.data, args.lr)
         return
-    r = launch(args.epochs, seeds, limit=300.0 * len(seeds), hidden=args.hidden)
+    r = launch(args.epochs, seeds, limit=300.0 * len(seeds), hidden=args.hidden, lr=args.lr)
     for seed, runs in r.items():
         dense = runs["dense"]
         for mode, v in runs.items():
