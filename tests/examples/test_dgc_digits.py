@@ -1,4 +1,5 @@
-"""examples/dgc_digits.py: DGC at 0.001 within a point of dense SGD with >= 300x fewer bytes."""
+"""examples/dgc_digits.py: DGC at 0.001 within a point of dense SGD with >= 300x fewer bytes;
+downsampling n=4 sends 4x fewer bytes."""
 
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ def test_dgc_matches_dense_accuracy_with_300x_fewer_bytes() -> None:
     spec = importlib.util.spec_from_file_location("dgc_digits", PATH)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    r = mod.launch(epochs=20, seed=0, limit=280)
+    r = mod.launch(epochs=20, seeds=[0], limit=280)["0"]
     dense, dgc, ds = r["dense"], r["dgc"], r["downsample"]
     assert dense["accuracy"] > 95
     assert dgc["accuracy"] >= dense["accuracy"] - 1.0
     assert dense["bytes"] / dgc["bytes"] >= 300
     assert dense["bytes"] / ds["bytes"] == pytest.approx(4, rel=0.01)
-    # measured 96.39 vs 98.06 at 20 epochs (seed 0): 1.7 points, short of the 1-point target
+    # 96.39 vs 98.06 at seed 0, the worst of seeds 0-5 (their mean: 0.37 below dense,
+    # docs/dgc.md); the delayed updates oscillate at this learning rate
     assert ds["accuracy"] >= dense["accuracy"] - 2.0
