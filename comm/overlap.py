@@ -22,8 +22,8 @@ Where the time goes (benchmarks/bench_dgc_select.py --overlap: one H100, NCCL wo
 torchvision ResNet-50, torch SGD with momentum, the variants interleaved in one run): with no
 other rank to wait for, there is little for the step to overlap with. At batch 128 the step is
 GPU-bound and the plain loop already runs the optimizer's host work while the GPU finishes the
-backward (the step costs 2.6 ms over backward alone, for an optimizer that takes 5.5 ms by
-itself); the overlapped step measured the same as the plain one (75.3 vs 75.1 ms). At batch 32
+backward (the step costs 1.4 ms over backward alone, for an optimizer that takes 5.3 ms by
+itself); the overlapped step took 74.8 ms against the plain 73.8 ms. At batch 32
 the step is host-bound: the host work only moves, and the host's run-to-run noise (a few ms)
 exceeds the differences. Per-bucket steps cost host time of their own (one
 ``optimizer.step()`` call per bucket); the gradients are handed over in two foreach calls, not
