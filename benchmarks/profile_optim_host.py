@@ -42,6 +42,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_
 import aiak.ops
 from aiak.conformance.shapes import RESNET50
 from aiak.ops import _capability, _cuda, _mta, _registry
+from aiak.ops._registry import _any_requires_grad
 from aiak.optim import LAMB, FusedAdamW, FusedSGD
 
 OPTIMIZERS: dict[str, Callable[[list[torch.Tensor]], torch.optim.Optimizer]] = {
@@ -84,6 +85,8 @@ def stubbed_launches() -> Iterator[None]:
     mp.set(_cuda, "device_capability", lambda device: (9, 0))
     mp.set(_cuda, "launch", lambda *a, **k: None)
     mp.set(_cuda, "get_function", lambda *a, **k: None)
+    mp.set(_cuda.DriverKernel, "__call__", _packed_only)
+    mp.set(_cuda, "device_index", lambda: 0)
     mp.set(_cuda, "num_sms", lambda device: 132)
     mp.set(torch.cuda, "current_device", lambda: 0)
     mp.set(_mta, "build", _cpu_table)
@@ -94,6 +97,14 @@ def stubbed_launches() -> Iterator[None]:
     finally:
         mp.undo()
         _mta.clear_cache()
+
+
+_scratch = bytearray(4096)
+
+
+def _packed_only(self: _cuda.DriverKernel, grid: int, block: int, *values: Any) -> None:
+    """A driver launch with its arguments packed as on CUDA, and no call into the driver."""
+    self._pack(_scratch, 0, *values)
 
 
 _real_reasons = _capability.Capability.not_supported_reasons
@@ -112,7 +123,7 @@ def _cuda_on_cpu(self: _registry.Op, args: tuple) -> Any:
         first = first[0] if first else None
     if (
         type(first) not in _PLAIN
-        or (self.differentiable and torch.is_grad_enabled())
+        or (self.differentiable and torch.is_grad_enabled() and _any_requires_grad(args))
         or torch.compiler.is_compiling()
         or _current_dispatch_mode() is not None
     ):

@@ -23,8 +23,8 @@ One optimizer step, from ``FusedAdamW.step`` to the kernel (5 hops):
 3. ``ops/_fused.py`` ``Bound.__call__``: if the grads' and params' addresses are those of the
    last step, the scalars are checked and the kept device table is launched; otherwise the op's
    ordinary path (``kernel_table``: the host cache of ``_mta``, or the full checks) runs first;
-4. ``ops/fused_adam.py`` ``_launch``: packs the arguments, ``_cuda.launch`` on torch's current
-   stream;
+4. ``ops/fused_adam.py`` ``_launch``: ``_cuda.run_kernel`` packs the arguments and launches
+   on torch's current stream;
 5. ``ops/kernels/fused_adam.cu`` ``fused_adam`` (and ``bump_steps``): one block per chunk of
    the table (layout in ``kernels/mta_common.cuh``).
 
@@ -46,7 +46,7 @@ from aiak.ops.fcos3d import fcos3d_targets
 from aiak.ops.fused_adam import fused_adam_
 from aiak.ops.fused_lamb import fused_lamb_
 from aiak.ops.fused_sgd import fused_sgd_
-from aiak.ops.multi_tensor_l2norm import multi_tensor_l2norm
+from aiak.ops.multi_tensor_l2norm import BoundNorm, multi_tensor_l2norm
 from aiak.ops.multi_tensor_scale import multi_tensor_scale_
 from aiak.ops.simota import simota_assign
 from aiak.ops.window_attention import roll_window_partition, window_merge_roll
@@ -54,6 +54,7 @@ from aiak.ops.window_attention import roll_window_partition, window_merge_roll
 __all__ = [
     "CAPABILITIES",
     "Bound",
+    "BoundNorm",
     "Capability",
     "backends",
     "bind",

@@ -293,6 +293,36 @@ class DriverKernel:
         return buf, params
 
 
+def run_kernel(source: str, name: str, grid: int, block: int, *values: object) -> None:
+    """Launch kernel ``name`` of ``kernels/<source>`` on torch's current stream through a
+    :class:`DriverKernel`: a tensor (or None) passes as its address, an int as
+    int32, a float as float32 (the kernels' parameter types). The kernel and its argument
+    layout are made on the first call per (kernel, device) from the kinds of ``values``; every
+    call site passes the same kinds (floats through ``float(...)``)."""
+    key = (source, name, device_index())
+    kernel = _launchers.get(key)
+    if kernel is None:
+        kinds = tuple(map(_kind, values))
+        kernel = _launchers[key] = DriverKernel(get_function(source, name), kinds)
+    kernel(grid, block, *[_address(v) if type(v) in _TENSORS or v is None else v for v in values])
+
+
+def _kind(v: object) -> Any:
+    import ctypes
+
+    if v is None or isinstance(v, torch.Tensor):
+        return ctypes.c_uint64
+    return ctypes.c_int32 if isinstance(v, int) else ctypes.c_float
+
+
+def _address(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_launchers: dict[tuple[str, str, int], DriverKernel] = {}
+
+
 def numpy() -> Any:
     """numpy, imported on first use (``import aiak.ops`` stays free of it): kernel arguments
     are numpy scalars. Callers on a hot path keep ``numpy().float32`` etc. at hand."""

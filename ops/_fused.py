@@ -49,21 +49,6 @@ def flags(**on: bool) -> int:
     return sum(_DEFINES["F_" + name.upper()] for name, value in on.items() if value)
 
 
-def kargs(*values: object) -> tuple:
-    """Kernel arguments: a tensor (or None) -> its pointer, an int -> int32, a float -> float32."""
-    import numpy as np  # here: `import aiak.ops` stays free of numpy
-
-    out = []
-    for v in values:
-        if v is None or isinstance(v, torch.Tensor):
-            out.append(_cuda.ptr(v))
-        elif isinstance(v, int):
-            out.append(_cuda.i32(v))
-        else:
-            out.append(np.float32(v))
-    return tuple(out)
-
-
 _nulls: dict[tuple[torch.device, int], list[torch.Tensor]] = {}
 
 

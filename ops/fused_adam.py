@@ -123,15 +123,13 @@ def _launch(a: Args, tab: _mta.Table) -> None:
         bias_correction=a.bias_correction,
     )
     if tab.num_chunks:
-        fn = _cuda.get_function(_SOURCE, "fused_adam")
         hyper = (float(a.lr), float(a.beta1), float(a.beta2), float(a.eps), float(a.weight_decay))
-        args = _fused.kargs(tab.data, n, tab.depth, a.lr_tensor, *hyper, flags)
-        _cuda.launch(
-            fn, tab.num_chunks, _fused.BLOCK, args + _fused.kargs(a.grad_scale, a.found_inf)
-        )
+        _cuda.run_kernel(
+            _SOURCE, "fused_adam", tab.num_chunks, _fused.BLOCK,
+            tab.data, n, tab.depth, a.lr_tensor, *hyper, flags, a.grad_scale, a.found_inf,
+        )  # fmt: skip
     # The steps advance after the update has read them (stream order); list 4 holds them.
-    fn = _cuda.get_function(_SOURCE, "bump_steps")
-    _cuda.launch(fn, (n + 255) // 256, 256, _fused.kargs(tab.data, n, 4, a.found_inf))
+    _cuda.run_kernel(_SOURCE, "bump_steps", (n + 255) // 256, 256, tab.data, n, 4, a.found_inf)
 
 
 KERNEL = _fused.Kernel(CAP, _lists, _check, _check_scalars, _launch, _reference)

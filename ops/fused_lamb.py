@@ -139,16 +139,18 @@ def _launch(a: Args, tab: _mta.Table) -> None:
     # Per-chunk sums of p^2 and u^2 from stage 1, reduced per tensor by stage 2.
     partials = torch.empty(2 * max(c, 1), dtype=torch.float32, device=device)
     if c:
-        fn = _cuda.get_function(_SOURCE, "fused_lamb_stage1")
         hyper = (a.beta1, a.beta2, a.eps, a.weight_decay, a.max_grad_norm)
-        args = _fused.kargs(tab.data, n, tab.depth, partials, *map(float, hyper), flags)
-        args += _fused.kargs(a.grad_norm, a.grad_scale, a.found_inf)
-        _cuda.launch(fn, c, _fused.BLOCK, args)
+        _cuda.run_kernel(
+            _SOURCE, "fused_lamb_stage1", c, _fused.BLOCK,
+            tab.data, n, tab.depth, partials, *map(float, hyper), flags,
+            a.grad_norm, a.grad_scale, a.found_inf,
+        )  # fmt: skip
     # Blocks past the c chunks advance the n step counters (ceil(n / BLOCK) of them).
-    fn = _cuda.get_function(_SOURCE, "fused_lamb_stage2")
-    args = _fused.kargs(tab.data, n, tab.depth, c, partials, a.lr_tensor, float(a.lr))
-    args += _fused.kargs(float(a.weight_decay), flags, a.found_inf)
-    _cuda.launch(fn, c + (n + _fused.BLOCK - 1) // _fused.BLOCK, _fused.BLOCK, args)
+    _cuda.run_kernel(
+        _SOURCE, "fused_lamb_stage2", c + (n + _fused.BLOCK - 1) // _fused.BLOCK, _fused.BLOCK,
+        tab.data, n, tab.depth, c, partials, a.lr_tensor, float(a.lr), float(a.weight_decay),
+        flags, a.found_inf,
+    )  # fmt: skip
 
 
 KERNEL = _fused.Kernel(CAP, _lists, _check, _check_scalars, _launch, _reference)

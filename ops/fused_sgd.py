@@ -112,11 +112,12 @@ def _launch(a: Args, tab: _mta.Table) -> None:
     if not tab.num_chunks:
         return
     flags = _fused.flags(nesterov=a.nesterov, maximize=a.maximize, first_step=a.is_first_step)
-    fn = _cuda.get_function(_SOURCE, "fused_sgd")
     hyper = (float(a.lr), float(a.momentum), float(a.dampening), float(a.weight_decay))
-    args = _fused.kargs(tab.data, len(a.params), tab.depth, a.lr_tensor, *hyper, flags)
-    args += _fused.kargs(a.scales, a.grad_scale, a.found_inf)
-    _cuda.launch(fn, tab.num_chunks, _fused.BLOCK, args)
+    _cuda.run_kernel(
+        _SOURCE, "fused_sgd", tab.num_chunks, _fused.BLOCK,
+        tab.data, len(a.params), tab.depth, a.lr_tensor, *hyper, flags,
+        a.scales, a.grad_scale, a.found_inf,
+    )  # fmt: skip
 
 
 KERNEL = _fused.Kernel(CAP, _lists, _check, _check_scalars, _launch, _reference)

@@ -128,12 +128,8 @@ def _scale_cuda(
         tab = _mta.table([src, dst], device, "multi_tensor_scale_")
     with _cuda.on_device(device):
         if tab.num_chunks:
-            fn = _cuda.get_function(_SOURCE, "mt_scale")
-            _cuda.launch(
-                fn,
-                tab.num_chunks,
-                _BLOCK,
-                (_cuda.ptr(tab.data), _cuda.i32(len(src)), _cuda.ptr(scale), _cuda.ptr(found_inf)),
+            _cuda.run_kernel(
+                _SOURCE, "mt_scale", tab.num_chunks, _BLOCK, tab.data, len(src), scale, found_inf
             )
 
 

@@ -7,6 +7,7 @@ ops/fused_lamb.py); per step: the global grad norm over every group
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 from typing import Any
 
@@ -101,7 +102,7 @@ class FusedLAMB(C.FusedOptimizer):
         for plan, grads in plans:
             found = by_device.get(plan.device)
             by_device[plan.device] = grads if found is None else found + grads
-        norms = [aiak.ops.multi_tensor_l2norm(grads)[0] for grads in by_device.values()]
+        norms = [self._norm(device, plans, grads) for device, grads in by_device.items()]
         if len(norms) == 1:
             total = norms[0]
         else:
@@ -130,6 +131,16 @@ class FusedLAMB(C.FusedOptimizer):
                 grad_scale,
                 found_inf,
             )
+
+    def _norm(self, device: torch.device, plans: list, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The L2 norm of the grads on ``device``, through a ``BoundNorm`` kept while the
+        plans (so the parameter lists) stay the same objects."""
+        mine = [plan for plan, _ in plans if plan.device == device]
+        norms = self.__dict__.setdefault("_norms", {})
+        found = norms.get(device)
+        if found is None or len(found[0]) != len(mine) or any(map(operator.is_not, found[0], mine)):
+            found = norms[device] = (mine, aiak.ops.BoundNorm())
+        return found[1](grads)
 
     def _workspaces(self, plan: C.Plan) -> list[torch.Tensor]:
         """The plan's fp32 update workspaces, one per param: made once per param (kept in

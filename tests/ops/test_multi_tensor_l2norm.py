@@ -288,3 +288,49 @@ def test_cuda_validated_fast_path_is_not_fooled_by_views() -> None:
         torch.ops.aiak.multi_tensor_scale_(
             [head], [dst], torch.ones(()), torch.zeros(1, device="cuda")
         )
+
+
+def _bound_norm_cases(device: str) -> None:
+    """BoundNorm equals the op when grads stay, move, change values, or change layout."""
+    from aiak.ops import BoundNorm
+
+    g = torch.Generator().manual_seed(3)
+    shapes = [(7, 3), (5,), (70_000,), (0,), (2, 2, 2)]
+    grads = [torch.randn(s, generator=g).to(device) for s in shapes]
+    norm = BoundNorm()
+    for step in range(4):
+        expected = aiak.ops.multi_tensor_l2norm(grads)[0]
+        torch.testing.assert_close(norm(grads), expected, rtol=1e-6, atol=0)
+        if step == 1:  # new tensors (zero_grad(set_to_none=True) and a new backward)
+            grads = [t * 2 for t in grads]
+        else:  # the same tensors, new values (zero_grad(set_to_none=False))
+            for t in grads:
+                t.mul_(0.5)
+    strided = [t.t() if t.dim() == 2 else t for t in grads]  # a transposed view: not contiguous
+    torch.testing.assert_close(norm(strided), aiak.ops.multi_tensor_l2norm(strided)[0])
+
+
+def test_bound_norm_matches_the_op() -> None:
+    _bound_norm_cases("cpu")
+
+
+@pytest.mark.cuda
+def test_bound_norm_matches_the_op_on_cuda_and_keeps_its_table(monkeypatch) -> None:
+    import importlib
+
+    _bound_norm_cases("cuda")
+    module = importlib.import_module("aiak.ops.multi_tensor_l2norm")
+    calls = []
+    op = module.multi_tensor_l2norm
+    monkeypatch.setattr(module, "multi_tensor_l2norm", lambda *a: calls.append(1) or op(*a))
+    grads = [torch.randn(100, device="cuda") for _ in range(3)]
+    norm = module.BoundNorm()
+    first = norm(grads)
+    assert len(calls) == 1 and norm._table is not None
+    grads[1].mul_(2)
+    second = norm(grads)  # the fast path: the kept table, not the op
+    assert len(calls) == 1
+    torch.testing.assert_close(second, op(grads)[0])
+    assert not torch.equal(first, second)
+    norm([t.clone() for t in grads])  # moved: the op again
+    assert len(calls) == 2
