@@ -56,9 +56,10 @@ class Cast(Wrapper):
     benchmarks/bench_cast_scale.py), but its launch from Python costs the host more than the
     torch op's (12 µs against 8 µs on the H100 machine), and DDP calls hooks on its host-bound
     autograd thread: on 2 x H200 the 12 x Linear(4096) step took +6.9 ms over no hook with it
-    (at 27 µs a launch) against +4.0 ms with torch ops (benchmarks/results/README.md). ``aiak::multi_tensor_scale_`` keys its device tables by
-    addresses, and a new wire buffer per bucket misses that cache on every call (1261 vs
-    432 µs of host time per bucket, step +17.5 ms).
+    (at 27 µs a launch) against +4.0 ms with torch ops (benchmarks/results/README.md).
+    ``aiak::multi_tensor_scale_`` keys its device tables by addresses, and a new wire buffer
+    per bucket misses that cache on every call (1261 vs 432 µs of host time per bucket, step
+    +17.5 ms).
     """
 
     __slots__ = ()
