@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_
 
 import aiak.ops
 from aiak.conformance.shapes import RESNET50
-from aiak.ops import _capability, _cuda, _mta, _registry
+from aiak.ops import _capability, _cuda, _driver, _mta, _registry
 from aiak.ops._registry import _any_requires_grad
 from aiak.optim import LAMB, FusedAdamW, FusedSGD
 
@@ -85,7 +85,7 @@ def stubbed_launches() -> Iterator[None]:
     mp.set(_cuda, "device_capability", lambda device: (9, 0))
     mp.set(_cuda, "launch", lambda *a, **k: None)
     mp.set(_cuda, "get_function", lambda *a, **k: None)
-    mp.set(_cuda.DriverKernel, "__call__", _packed_only)
+    mp.set(_driver.DriverKernel, "__call__", _packed_only)
     mp.set(_cuda, "device_index", lambda: 0)
     mp.set(_cuda, "num_sms", lambda device: 132)
     mp.set(torch.cuda, "current_device", lambda: 0)
@@ -102,7 +102,7 @@ def stubbed_launches() -> Iterator[None]:
 _scratch = bytearray(4096)
 
 
-def _packed_only(self: _cuda.DriverKernel, grid: int, block: int, *values: Any) -> None:
+def _packed_only(self: _driver.DriverKernel, grid: int, block: int, *values: Any) -> None:
     """A driver launch with its arguments packed as on CUDA, and no call into the driver."""
     self._pack(_scratch, 0, *values)
 

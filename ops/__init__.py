@@ -5,9 +5,10 @@ launcher, the declaration), ``ops/kernels/<op>.cu``, ``tests/ops/test_<op>.py``,
 ``benchmarks/bench_<op>.py``. Ops: ``fused_adam_``, ``fused_sgd_``, ``fused_lamb_``,
 ``multi_tensor_l2norm``, ``multi_tensor_scale_``, ``cast_scale_``. Shared pieces, one module
 each: ``_registry`` (declaring an op, its eager fast path, argument records made from the
-schema), ``_capability`` (what a kernel supports, input checks), ``_cuda`` (the CuPy launch
-layer), ``_mta`` (multi-tensor device tables and the one host cache), ``_fused`` (what the
-fused optimizer ops share, and bound steps).
+schema), ``_capability`` (what a kernel supports, input checks), ``_cuda`` (compilation,
+streams, the CuPy launch), ``_driver`` (driver-API launches, the ops' usual path), ``_mta``
+(multi-tensor device tables and the one host cache), ``_fused`` (what the fused optimizer ops
+share, and bound steps).
 
 Each op has one math in two implementations: its reference (plain PyTorch; the CPU, float64
 and no-CuPy path, and the conformance ground truth) and its CUDA kernel. When a kernel cannot
@@ -23,7 +24,7 @@ One optimizer step, from ``FusedAdamW.step`` to the kernel (5 hops):
 3. ``ops/_fused.py`` ``Bound.__call__``: if the grads' and params' addresses are those of the
    last step, the scalars are checked and the kept device table is launched; otherwise the op's
    ordinary path (``kernel_table``: the host cache of ``_mta``, or the full checks) runs first;
-4. ``ops/fused_adam.py`` ``_launch``: ``_cuda.run_kernel`` packs the arguments and launches
+4. ``ops/fused_adam.py`` ``_launch``: ``_driver.run_kernel`` packs the arguments and launches
    on torch's current stream;
 5. ``ops/kernels/fused_adam.cu`` ``fused_adam`` (and ``bump_steps``): one block per chunk of
    the table (layout in ``kernels/mta_common.cuh``).

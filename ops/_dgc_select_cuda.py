@@ -11,7 +11,7 @@ from collections import OrderedDict
 
 import torch
 
-from aiak.ops import _cuda
+from aiak.ops import _cuda, _driver
 
 _SOURCE = "dgc_select.cu"
 _DEFINES = _cuda.defines(_SOURCE)
@@ -85,8 +85,8 @@ class _Workspace:
         self.fns["count_fast"] = _kernel("dgc_count_fast")
 
 
-def _kernel(name: str) -> _cuda.DriverKernel:
-    return _cuda.DriverKernel(_cuda.get_function(_SOURCE, name), _ARGTYPES[name])
+def _kernel(name: str) -> _driver.DriverKernel:
+    return _driver.DriverKernel(_cuda.get_function(_SOURCE, name), _ARGTYPES[name])
 
 
 # Workspaces are kept per (device, stream, n, num_samples, thresholds, capacity): a DGC hook

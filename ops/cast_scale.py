@@ -18,7 +18,7 @@ import ctypes
 
 import torch
 
-from aiak.ops import _cuda
+from aiak.ops import _cuda, _driver
 from aiak.ops._capability import FLOAT_DTYPES, Capability, declare, use_kernel
 from aiak.ops._registry import _increment, define
 
@@ -122,19 +122,21 @@ def _cast_cuda(dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
 # the tensors, looked up once, for pairs the kernel supports. Host time decides this op's
 # design: the CUDA work of a gradient bucket's cast is a few µs, a torch elementwise op call
 # costs 8-10 µs on the H100 machine's host, and a CuPy launch alone 9.2 µs there
-# (benchmarks/profile_hotpaths.py); ``_cuda.DriverKernel`` launches in 7.8 µs all told.
-_records: dict[tuple[torch.dtype, torch.dtype, int], tuple[_cuda.DriverKernel, int]] = {}
+# (benchmarks/profile_hotpaths.py); ``_driver.DriverKernel`` launches in 7.8 µs all told.
+_records: dict[tuple[torch.dtype, torch.dtype, int], tuple[_driver.DriverKernel, int]] = {}
 _ARGTYPES = (ctypes.c_uint64, ctypes.c_uint64, ctypes.c_float, ctypes.c_int64)
 _F32_MAX = 3.4028234663852886e38
 
 
-def _launch_record(src: torch.dtype, dst: torch.dtype, dev: int) -> tuple[_cuda.DriverKernel, int]:
+def _launch_record(
+    src: torch.dtype, dst: torch.dtype, dev: int
+) -> tuple[_driver.DriverKernel, int]:
     key = (src, dst, dev)
     found = _records.get(key)
     if found is None:
         with torch.cuda.device(dev):
             fn = _cuda.get_function(_SOURCE, _NAMES[src, dst])
-        found = _records[key] = (_cuda.DriverKernel(fn, _ARGTYPES), 4 * _cuda.num_sms(dev))
+        found = _records[key] = (_driver.DriverKernel(fn, _ARGTYPES), 4 * _cuda.num_sms(dev))
     return found
 
 

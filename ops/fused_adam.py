@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from aiak.ops import _cuda, _fused, _mta
+from aiak.ops import _driver, _fused, _mta
 from aiak.ops._capability import Capability, check_aligned_lists, check_hyper, declare
 from aiak.ops._registry import define, record
 
@@ -124,12 +124,12 @@ def _launch(a: Args, tab: _mta.Table) -> None:
     )
     if tab.num_chunks:
         hyper = (float(a.lr), float(a.beta1), float(a.beta2), float(a.eps), float(a.weight_decay))
-        _cuda.run_kernel(
+        _driver.run_kernel(
             _SOURCE, "fused_adam", tab.num_chunks, _fused.BLOCK,
             tab.data, n, tab.depth, a.lr_tensor, *hyper, flags, a.grad_scale, a.found_inf,
         )  # fmt: skip
     # The steps advance after the update has read them (stream order); list 4 holds them.
-    _cuda.run_kernel(_SOURCE, "bump_steps", (n + 255) // 256, 256, tab.data, n, 4, a.found_inf)
+    _driver.run_kernel(_SOURCE, "bump_steps", (n + 255) // 256, 256, tab.data, n, 4, a.found_inf)
 
 
 KERNEL = _fused.Kernel(CAP, _lists, _check, _check_scalars, _launch, _reference)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from aiak.ops import _cuda, _fused, _mta
+from aiak.ops import _driver, _fused, _mta
 from aiak.ops._capability import Capability, check_aligned_lists, check_hyper, declare
 from aiak.ops._registry import define, record
 
@@ -140,13 +140,13 @@ def _launch(a: Args, tab: _mta.Table) -> None:
     partials = torch.empty(2 * max(c, 1), dtype=torch.float32, device=device)
     if c:
         hyper = (a.beta1, a.beta2, a.eps, a.weight_decay, a.max_grad_norm)
-        _cuda.run_kernel(
+        _driver.run_kernel(
             _SOURCE, "fused_lamb_stage1", c, _fused.BLOCK,
             tab.data, n, tab.depth, partials, *map(float, hyper), flags,
             a.grad_norm, a.grad_scale, a.found_inf,
         )  # fmt: skip
     # Blocks past the c chunks advance the n step counters (ceil(n / BLOCK) of them).
-    _cuda.run_kernel(
+    _driver.run_kernel(
         _SOURCE, "fused_lamb_stage2", c + (n + _fused.BLOCK - 1) // _fused.BLOCK, _fused.BLOCK,
         tab.data, n, tab.depth, c, partials, a.lr_tensor, float(a.lr), float(a.weight_decay),
         flags, a.found_inf,

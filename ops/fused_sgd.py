@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from aiak.ops import _cuda, _fused, _mta
+from aiak.ops import _driver, _fused, _mta
 from aiak.ops._capability import Capability, check_aligned_lists, check_hyper, declare
 from aiak.ops._registry import define, record
 
@@ -113,7 +113,7 @@ def _launch(a: Args, tab: _mta.Table) -> None:
         return
     flags = _fused.flags(nesterov=a.nesterov, maximize=a.maximize, first_step=a.is_first_step)
     hyper = (float(a.lr), float(a.momentum), float(a.dampening), float(a.weight_decay))
-    _cuda.run_kernel(
+    _driver.run_kernel(
         _SOURCE, "fused_sgd", tab.num_chunks, _fused.BLOCK,
         tab.data, len(a.params), tab.depth, a.lr_tensor, *hyper, flags,
         a.scales, a.grad_scale, a.found_inf,

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from aiak.ops import _cuda, _mta
+from aiak.ops import _cuda, _driver, _mta
 from aiak.ops._capability import (
     REFERENCE_DTYPES,
     Capability,
@@ -93,16 +93,16 @@ def _l2norm_launch(tab: _mta.Table, n: int, per_tensor: bool) -> tuple[torch.Ten
     return total, per
 
 
-_fns: dict[int, tuple[_cuda.DriverKernel, _cuda.DriverKernel]] = {}
+_fns: dict[int, tuple[_driver.DriverKernel, _driver.DriverKernel]] = {}
 _P, _I = ctypes.c_uint64, ctypes.c_int32
 
 
-def _functions(device: int) -> tuple[_cuda.DriverKernel, _cuda.DriverKernel]:
+def _functions(device: int) -> tuple[_driver.DriverKernel, _driver.DriverKernel]:
     found = _fns.get(device)
     if found is None:
         found = _fns[device] = (
-            _cuda.DriverKernel(_cuda.get_function(_SOURCE, "mt_l2norm_partial"), (_P, _I, _P)),
-            _cuda.DriverKernel(
+            _driver.DriverKernel(_cuda.get_function(_SOURCE, "mt_l2norm_partial"), (_P, _I, _P)),
+            _driver.DriverKernel(
                 _cuda.get_function(_SOURCE, "mt_l2norm_finalize"), (_P, _I, _P, _P, _P)
             ),
         )

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from aiak.ops import _cuda, _mta
+from aiak.ops import _cuda, _driver, _mta
 from aiak.ops._capability import (
     REFERENCE_DTYPES,
     Capability,
@@ -128,7 +128,7 @@ def _scale_cuda(
         tab = _mta.table([src, dst], device, "multi_tensor_scale_")
     with _cuda.on_device(device):
         if tab.num_chunks:
-            _cuda.run_kernel(
+            _driver.run_kernel(
                 _SOURCE, "mt_scale", tab.num_chunks, _BLOCK, tab.data, len(src), scale, found_inf
             )
 

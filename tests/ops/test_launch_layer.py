@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import aiak.ops
-from aiak.ops import _capability, _cuda
+from aiak.ops import _capability, _cuda, _driver
 
 
 def test_kernel_source_inlines_local_headers_once() -> None:
@@ -100,14 +100,14 @@ def test_driver_kernel_fallback_argument_types() -> None:
     """Without a driver handle, DriverKernel passes CuPy numpy scalars of the kernel's types."""
     import ctypes
 
-    assert _cuda._numpy_type(ctypes.c_uint64) is np.uint64
-    assert _cuda._numpy_type(ctypes.c_int64) is np.int64
-    assert _cuda._numpy_type(ctypes.c_int32) is np.int32
-    assert _cuda._numpy_type(ctypes.c_uint32) is np.uint32
-    assert _cuda._numpy_type(ctypes.c_float) is np.float32
-    assert _cuda._numpy_type(ctypes.c_double) is np.float64
+    assert _driver._numpy_type(ctypes.c_uint64) is np.uint64
+    assert _driver._numpy_type(ctypes.c_int64) is np.int64
+    assert _driver._numpy_type(ctypes.c_int32) is np.int32
+    assert _driver._numpy_type(ctypes.c_uint32) is np.uint32
+    assert _driver._numpy_type(ctypes.c_float) is np.float32
+    assert _driver._numpy_type(ctypes.c_double) is np.float64
     seen = []
-    k = _cuda.DriverKernel.__new__(_cuda.DriverKernel)
+    k = _driver.DriverKernel.__new__(_driver.DriverKernel)
     k._ptr, k._argtypes = None, (ctypes.c_uint64, ctypes.c_float, ctypes.c_int64)
     k._cupy_fn = lambda grid, block, args, stream: seen.append((grid, block, args))
     import unittest.mock
