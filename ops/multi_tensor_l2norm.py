@@ -8,7 +8,6 @@ launcher, the op with its fake and autograd formula, the Python convenience.
 
 from __future__ import annotations
 
-import ctypes
 import operator
 from collections.abc import Sequence
 
@@ -75,38 +74,21 @@ def _l2norm_cuda(
 def _l2norm_launch(tab: _mta.Table, n: int, per_tensor: bool) -> tuple[torch.Tensor, torch.Tensor]:
     device = tab.data.device
     with _cuda.on_device(device):
-        partial, finalize = _functions(_cuda.device_index())
         # Two allocations, not three (4 µs each on the H100 machine's host, where the whole
         # op's GPU time is 42 µs): the total, and [per..., partials...]. The outputs must not
         # share storage (the schema promises fresh tensors).
-        chunks = max(tab.num_chunks, 1)
         total = torch.empty((), dtype=torch.float32, device=device)
-        buf = torch.empty(n + chunks, dtype=torch.float32, device=device)
-        per = buf[:n] if per_tensor else buf[:0]
-        base = buf.data_ptr()
+        buf = torch.empty(n + max(tab.num_chunks, 1), dtype=torch.float32, device=device)
+        per, partials = buf[:n] if per_tensor else buf[:0], buf[n:]
         if tab.num_chunks:
-            partial(tab.num_chunks, _BLOCK, tab.data.data_ptr(), n, base + 4 * n)
-        finalize(
-            1, 1024, tab.data.data_ptr(), n, base + 4 * n, base if per_tensor else 0,
-            total.data_ptr(),
+            _driver.run_kernel(
+                _SOURCE, "mt_l2norm_partial", tab.num_chunks, _BLOCK, tab.data, n, partials
+            )
+        _driver.run_kernel(
+            _SOURCE, "mt_l2norm_finalize", 1, 1024,
+            tab.data, n, partials, per if per_tensor else None, total,
         )  # fmt: skip
     return total, per
-
-
-_fns: dict[int, tuple[_driver.DriverKernel, _driver.DriverKernel]] = {}
-_P, _I = ctypes.c_uint64, ctypes.c_int32
-
-
-def _functions(device: int) -> tuple[_driver.DriverKernel, _driver.DriverKernel]:
-    found = _fns.get(device)
-    if found is None:
-        found = _fns[device] = (
-            _driver.DriverKernel(_cuda.get_function(_SOURCE, "mt_l2norm_partial"), (_P, _I, _P)),
-            _driver.DriverKernel(
-                _cuda.get_function(_SOURCE, "mt_l2norm_finalize"), (_P, _I, _P, _P, _P)
-            ),
-        )
-    return found
 
 
 def _l2norm_fake(
