@@ -1,6 +1,7 @@
 """aiak::multi_tensor_l2norm (per-tensor and total norms of a whole list) vs torch's
 ``_foreach_norm`` + stack and apex's ``amp_C.multi_tensor_l2norm``, on the ResNet-50 (161
-tensors) and BERT-large (389) sets, fp32.
+tensors) and BERT-large (389) sets, fp32; and ``BoundNorm``, the total over a list whose
+tensors stay put from call to call.
 
     python benchmarks/bench_multi_tensor_l2norm.py [--sets resnet,bert]
 
@@ -22,6 +23,10 @@ def cases(set_name, shapes):
     ts = [torch.randn(s, device="cuda") for s in shapes]
     nbytes = 4 * sum(math.prod(s) for s in shapes)
     yield "l2norm", nbytes, "aiak", lambda: aiak.ops.multi_tensor_l2norm(ts, True)
+    # The stable-set path (LAMB's grad norm, clipping in a loop): the total only, the device
+    # table kept while the addresses stay those of the last call.
+    bound = aiak.ops.BoundNorm()
+    yield "l2norm", nbytes, "aiak BoundNorm", lambda: bound(ts)
 
     def foreach() -> None:
         torch.linalg.vector_norm(torch.stack(torch._foreach_norm(ts)))

@@ -123,6 +123,12 @@ __device__ __forceinline__ void load4(const float* __restrict__ x, i64 e, i64 n,
   for (int r = 0; r < 4; ++r) b[r] = e + r < n ? abs_bits(v[r]) : -1;
 }
 
+// Four 8-bit fields -> four 16-bit fields.
+__device__ __forceinline__ u64 widen(u32 x) {
+  return (u64)(x & 0xffu) | ((u64)(x & 0xff00u) << 8) | ((u64)(x & 0xff0000u) << 16) |
+         ((u64)(x & 0xff000000u) << 24);
+}
+
 __device__ __forceinline__ int warp_excl(int v, int* total) {
   const int lane = threadIdx.x & 31;
   int incl = v;
@@ -392,32 +398,49 @@ __device__ void count_body(const float* __restrict__ x, i64* base, i64 n, i64 m,
 
   for (i64 t = blockIdx.x; t < tiles; t += gridDim.x) {
     const i64 lo = t * TILE;
+    // Instructions per element, not bytes, bound this kernel (ncu on the H100, 25M elements:
+    // 33 warp instructions per 32 elements, issue slots 57% busy, DRAM 57%), so a whole tile
+    // loads without bounds checks, signs are not kept (a candidate's value is read again from
+    // x), and the per-tile counts are reduced two to a register.
     int b[16];
-    u32 neg = 0;  // sign bits: the values are rebuilt from b for the candidates
+    if (vec && lo + TILE <= n) {
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      float v4[4];
-      int b4[4];
-      load4(x, lo + ((i64)q * BLOCK + tid) * 4, n, vec, v4, b4);
+      for (int q = 0; q < 4; ++q) {
+        const Pack<float, 4> pk =
+            reinterpret_cast<const Pack<float, 4>*>(x)[(lo >> 2) + q * BLOCK + tid];
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        b[4 * q + r] = b4[r];
-        neg |= (__float_as_uint(v4[r]) >> 31) << (4 * q + r);
+        for (int r = 0; r < 4; ++r) b[4 * q + r] = abs_bits(pk.v[r]);
+      }
+    } else {
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        float v4[4];
+        int b4[4];
+        load4(x, lo + ((i64)q * BLOCK + tid) * 4, n, vec, v4, b4);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) b[4 * q + r] = b4[r];
       }
     }
     if (REG) {
+      static_assert(NC % 2 == 0, "counts are reduced in pairs");
       int c[NC];
 #pragma unroll
       for (int j = 0; j < NC; ++j) c[j] = 0;
+      // #(b < t) from the sign of b - t, which cannot overflow (b >= -1, 0 <= t < 2^31): a
+      // subtract and a shift-add per compare, where a compare-and-count compiles to three
 #pragma unroll
       for (int e = 0; e < 16; ++e) {
 #pragma unroll
-        for (int j = 0; j < NC; ++j) c[j] += b[e] >= treg[j];
+        for (int j = 0; j < NC; ++j) c[j] += (int)(((u32)b[e] - (u32)treg[j]) >> 31);
       }
+      // a warp counts at most 32 * 16 = 512 per threshold: two counts share a 32-bit word
 #pragma unroll
-      for (int j = 0; j < NC; ++j) {
+      for (int j = 0; j < NC; j += 2) {
+        u32 pair = (u32)(16 - c[j]) | ((u32)(16 - c[j + 1]) << 16);
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) c[j] += __shfl_xor_sync(FULL, c[j], o);
+        for (int o = 16; o > 0; o >>= 1) pair += __shfl_xor_sync(FULL, pair, o);
+        c[j] = (int)(pair & 0xffffu);
+        c[j + 1] = (int)(pair >> 16);
       }
       if (lane == 0) {
 #pragma unroll
@@ -469,37 +492,49 @@ __device__ void count_body(const float* __restrict__ x, i64* base, i64 n, i64 m,
       s_tot[tid] += s_cnt[tid];
     }
     if (tid == 0) w.info[t] = ((u32)lv << 16) | ncand;
-    if (ncand > 0) {  // the same in every thread: block_scan may synchronise
+    if (ncand > 0) {  // the same in every thread: the scan below synchronises
       const int T = s_sorted[lv];
-      u64 packed = 0;  // per float4 row, the thread's candidates (16-bit fields: <= 1024 each)
+      u32 sel = 0;  // bit e: element e of this thread is a candidate
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        int nq = 0;
+      for (int e = 0; e < 16; ++e) sel |= (u32)(b[e] >= T) << e;
+      // Positions in index order (row q of the tile, then thread): per row, a scan over the
+      // warp of 8-bit fields (a warp's row holds at most 128 elements), then the warps' totals
+      // in 16-bit fields (a tile holds at most cap <= 1024 candidates), so no field carries.
+      u32 mine = 0;
 #pragma unroll
-        for (int r = 0; r < 4; ++r) nq += b[4 * q + r] >= T;
-        packed |= (u64)nq << (16 * q);
+      for (int q = 0; q < 4; ++q) mine |= (u32)__popc(sel & (0xfu << (4 * q))) << (8 * q);
+      u32 incl = mine;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const u32 y = __shfl_up_sync(FULL, incl, o);
+        if (lane >= o) incl += y;
       }
-      u64 tot;
-      const u64 ex = block_scan(packed, &tot, sh);
+      if (lane == 31) sh[warp] = widen(incl);
+      __syncthreads();
+      u64 all = 0, before = 0;
+#pragma unroll
+      for (int v = 0; v < NWARP; ++v) {
+        const u64 wt = sh[v];
+        all += wt;
+        if (v < warp) before += wt;
+      }
+      // field q of `base`: where this thread's candidates of row q start
+      const u64 base =
+          all * ((1ull << 16) + (1ull << 32) + (1ull << 48)) + before + widen(incl - mine);
       float* cv = w.cval + t * cap;
       u16* ci = w.cidx + t * cap;
-      u32 row = 0;
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        u32 pos = row + (u32)((ex >> (16 * q)) & 0xffffu);
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const int e = 4 * q + r;
-          if (b[e] >= T) {
-            cv[pos] = __uint_as_float((u32)b[e] | (((neg >> e) & 1u) << 31));
-            ci[pos] = (u16)((q * BLOCK + tid) * 4 + r);
-            ++pos;
-          }
-        }
-        row += (u32)((tot >> (16 * q)) & 0xffffu);
+      // a loop over the set bits only: a tile's candidates (at most cap: 64 of 4096 at ratio
+      // 0.001) leave most threads none, and an unrolled store predicated off still issues
+      for (u32 rest = sel; rest; rest &= rest - 1) {
+        const int e = __ffs(rest) - 1, q = e >> 2;
+        const u32 pos = (u32)((base >> (16 * q)) & 0xffffu) +
+                        __popc(sel & ((1u << e) - 1u) & (0xfu << (4 * q)));
+        const int idx = (q * BLOCK + tid) * 4 + (e & 3);
+        cv[pos] = x[lo + idx];
+        ci[pos] = (u16)idx;
       }
     }
-    __syncthreads();  // s_cnt, s_warp, s_hist are rewritten by the next tile
+    __syncthreads();  // s_cnt, s_warp, s_hist, sh are rewritten by the next tile
   }
   for (int j = tid; j < nthr; j += BLOCK)
     if (s_tot[j]) atomicAdd(&w.totals[j], s_tot[j]);
@@ -726,13 +761,22 @@ extern "C" __global__ void __launch_bounds__(BLOCK)
   const i64 t0 = (i64)blockIdx.x * WCHUNK;
   const i64 t1 = t0 + WCHUNK < tiles ? t0 + WCHUNK : tiles;
   // the tiles before this chunk: selected entries (non-exact) or #> V and #== V (exact)
+  // (4 independent loads in flight per thread: on 25M elements the last chunk's block reads
+  // ~24 words a thread, each a whole L2 latency when every add waits for its load)
   u64 a1 = 0, a2 = 0;
-  for (i64 i = tid; i < t0; i += BLOCK) {
-    if (exact) {
-      a1 += w.gt[i];
-      a2 += w.eq[i];
-    } else {
-      a1 += sel_cnt[i];
+  const u32* c1 = exact ? w.gt : sel_cnt;
+  for (i64 i0 = tid; i0 < t0; i0 += 4 * BLOCK) {
+    u32 g[4], e[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const i64 i = i0 + (i64)u * BLOCK;
+      g[u] = i < t0 ? c1[i] : 0u;
+      e[u] = exact && i < t0 ? w.eq[i] : 0u;
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      a1 += g[u];
+      a2 += e[u];
     }
   }
   u64 g_before, e_before;
