@@ -19,7 +19,7 @@ import torch
 from profile_host import host_us
 
 import aiak.ops
-from aiak.ops import _cuda, _mta
+from aiak.ops import _cuda, _driver, _mta
 from aiak.ops import cast_scale as cs
 
 l2 = importlib.import_module("aiak.ops.multi_tensor_l2norm")
@@ -61,6 +61,7 @@ def launch() -> None:
     fn = _cuda.get_function("cast_scale.cu", "cast_scale_f32_f16")
     args = (np.uint64(x.data_ptr()), np.uint64(h.data_ptr()), np.float32(2.0), np.int64(x.numel()))
     stream = _cuda.current_stream()
+    n = x.numel()
     show("torch.mul(x, 2.0, out=y)", lambda: torch.mul(x, 2.0, out=y))
     show("y.copy_(x)", lambda: y.copy_(x))
     show("torch.empty(1)", lambda: torch.empty(1, device="cuda"))
@@ -82,7 +83,8 @@ def launch() -> None:
         ),
     )
     show("  cupy fn(grid, block, args, stream=)", lambda: fn((528,), (512,), args, stream=stream))
-    show("  _cuda.launch(prebuilt)", lambda: _cuda.launch(fn, 528, 512, args))
+    kernel = _driver.DriverKernel(fn, cs._ARGTYPES)
+    show("  DriverKernel(prebuilt)", lambda: kernel(528, 512, x.data_ptr(), h.data_ptr(), 2.0, n))
     show("  _increment", lambda: aiak.ops._registry._increment((h,)))
     # the same launch through the driver API from ctypes, with argument slots kept
     lib = ctypes.CDLL("libcuda.so.1")

@@ -8,9 +8,9 @@ GPU waits on when the host is slow. The params are tiny (one element per tensor,
 
 How the CUDA path runs here without a GPU (:func:`stubbed_launches`): CPU tensors take the
 ops' CUDA kernels (``Op.eager_kernel``), the kernel is reported usable, device tables are
-built on the CPU, and ``_cuda.launch`` / ``get_function`` do nothing. Everything else is the
-code that runs on CUDA: the optimizer's plan checks, the bound step's address checks, the
-argument packing (numpy scalars), version counter bumps.
+built on the CPU, ``get_function`` does nothing and ``DriverKernel`` packs the arguments without
+calling the driver. Everything else is the code that runs on CUDA: the optimizer's plan checks,
+the bound step's address checks, the argument packing, version counter bumps.
 
 Rows:
 
@@ -83,7 +83,6 @@ def stubbed_launches() -> Iterator[None]:
     mp.set(_capability.Capability, "not_supported_reasons", _reasons_as_on_cuda)
     mp.set(_cuda, "cupy_unavailable_reason", lambda: None)
     mp.set(_cuda, "device_capability", lambda device: (9, 0))
-    mp.set(_cuda, "launch", lambda *a, **k: None)
     mp.set(_cuda, "get_function", lambda *a, **k: None)
     mp.set(_driver.DriverKernel, "__call__", _packed_only)
     mp.set(_cuda, "device_index", lambda: 0)
@@ -102,7 +101,9 @@ def stubbed_launches() -> Iterator[None]:
 _scratch = bytearray(4096)
 
 
-def _packed_only(self: _driver.DriverKernel, grid: int, block: int, *values: Any) -> None:
+def _packed_only(
+    self: _driver.DriverKernel, grid: Any, block: Any, *values: Any, shared_mem: int = 0
+) -> None:
     """A driver launch with its arguments packed as on CUDA, and no call into the driver."""
     self._pack(_scratch, 0, *values)
 

@@ -6,9 +6,9 @@ launcher, the declaration), ``ops/kernels/<op>.cu``, ``tests/ops/test_<op>.py``,
 ``multi_tensor_l2norm``, ``multi_tensor_scale_``, ``cast_scale_``. Shared pieces, one module
 each: ``_registry`` (declaring an op, its eager fast path, argument records made from the
 schema), ``_capability`` (what a kernel supports, input checks), ``_cuda`` (compilation,
-streams, the CuPy launch), ``_driver`` (driver-API launches, the ops' usual path), ``_mta``
-(multi-tensor device tables and the one host cache), ``_fused`` (what the fused optimizer ops
-share, and bound steps).
+streams, the device), ``_driver`` (every kernel launch: ``cuLaunchKernel`` through ctypes),
+``_mta`` (multi-tensor device tables and the one host cache), ``_fused`` (what the fused
+optimizer ops share, and bound steps).
 
 Each op has one math in two implementations: its reference (plain PyTorch; the CPU, float64
 and no-CuPy path, and the conformance ground truth) and its CUDA kernel. When a kernel cannot

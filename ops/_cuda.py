@@ -1,9 +1,11 @@
-"""The one CUDA launch layer: CuPy RawModule and stream caches, pointer arguments.
+"""Kernel compilation and the CUDA context around a launch: CuPy RawModule and stream
+caches, the current device, kernel sources and their ``#define``s.
 
 Everything here is lazy: importing this module imports neither cupy nor numba and does not
 initialise CUDA. Kernels are CUDA C++ files in ``ops/kernels/`` compiled at run time by NVRTC
-through CuPy (no build step at install) and launched on torch's current stream, so they order
-correctly with torch's own kernels and are captured by CUDA graphs like them.
+through CuPy (no build step at install). They launch through ``ops/_driver.py`` only, on
+torch's current stream, so they order correctly with torch's own kernels and are captured by
+CUDA graphs like them.
 """
 
 from __future__ import annotations
@@ -164,7 +166,8 @@ raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _raw_stream_slow)
 
 
 def current_stream() -> Any:
-    """A ``cupy.cuda.ExternalStream`` for torch's current stream, cached per (device, stream).
+    """A ``cupy.cuda.ExternalStream`` for torch's current stream, cached per (device, stream):
+    where ``ops/_driver.py`` hands a launch to CuPy (no libcuda, no driver handle).
 
     Building an ExternalStream costs about three launches; cached, a launch costs about what a
     torch op's does.
@@ -184,22 +187,9 @@ def current_stream() -> Any:
     return stream
 
 
-def launch(
-    fn: Any,
-    grid: int | tuple[int, ...],
-    block: int | tuple[int, ...],
-    args: tuple,
-    shared_mem: int = 0,
-) -> None:
-    """Launch ``fn`` on torch's current stream. ``args``: use :func:`ptr` for tensors."""
-    grid = grid if type(grid) is tuple else (grid,)
-    block = block if type(block) is tuple else (block,)
-    fn(grid, block, args, shared_mem=shared_mem, stream=current_stream())
-
-
 def numpy() -> Any:
     """numpy, imported on first use (``import aiak.ops`` stays free of it): kernel arguments
-    are numpy scalars. Callers on a hot path keep ``numpy().float32`` etc. at hand."""
+    of other types than int32, float32 and pointers are numpy scalars (``ops/_driver.py``)."""
     global _np
     if _np is None:
         import numpy as np
@@ -209,18 +199,6 @@ def numpy() -> Any:
 
 
 _np: Any = None
-
-
-def ptr(t: torch.Tensor | None) -> Any:
-    """A kernel pointer argument for ``t`` (null for None)."""
-    return (_np or numpy()).uint64(0 if t is None else t.data_ptr())
-
-
-def i32(value: int) -> Any:
-    """A 32-bit int kernel argument."""
-    if not -(2**31) <= value < 2**31:
-        raise ValueError(f"kernel argument {value} does not fit in 32 bits")
-    return (_np or numpy()).int32(value)
 
 
 @cache

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from aiak.ops import _cuda
+from aiak.ops import _cuda, _driver
 
 _SOURCE = "simota.cu"
 # --fmad=false: products and sums round one by one, as in the reference (no contraction).
@@ -53,34 +53,27 @@ def launch_simota(
     bg_sum = torch.empty(B, A, dtype=torch.float64, device=device)
     count = torch.empty(B, A, dtype=torch.int32, device=device)
     owner = torch.empty(B, A, dtype=torch.int32, device=device)
-    p = _cuda.ptr
-    dims = (np.int32(B), np.int32(G), np.int32(A), np.int32(C), np.float64(center_radius))
-    flags = (np.int32(center_only), np.int32(geometry_penalty), np.int32(box_format == "xyxy"))
-    gts = (p(boxes), p(classes), p(valid), p(centers), p(strides))
+    # int32 sizes and flags, the radius in float64 (the kernels' parameter types)
+    dims = (B, G, A, C, np.float64(center_radius))
+    flags = (int(center_only), int(geometry_penalty), int(box_format == "xyxy"))
+    gts = (boxes, classes, valid, centers, strides)
+    run = _driver.run_kernel
     with _cuda.on_device(device):
-        fn = _cuda.get_function(_SOURCE, "simota_prepare", _OPTIONS)
-        _cuda.launch(
-            fn,
-            (-(-A // _WARPS), B),
-            _BLOCK,
-            (*gts, p(cls), p(obj), p(cand), p(bg_sum), p(count), p(owner), p(num_fg),
-             *dims, flags[0], flags[2]),
+        run(
+            _SOURCE, "simota_prepare", (-(-A // _WARPS), B), _BLOCK,
+            *gts, cls, obj, cand, bg_sum, count, owner, num_fg, *dims, flags[0], flags[2],
+            options=_OPTIONS,
         )  # fmt: skip
         if G:
-            fn = _cuda.get_function(_SOURCE, "simota_select", _OPTIONS)
-            _cuda.launch(
-                fn,
-                B * G,
-                _BLOCK,
-                (*gts, p(pred), p(cls), p(obj), p(cand), p(bg_sum), p(count), p(owner),
-                 *dims, *flags),
+            run(
+                _SOURCE, "simota_select", B * G, _BLOCK,
+                *gts, pred, cls, obj, cand, bg_sum, count, owner, *dims, *flags,
+                options=_OPTIONS,
             )  # fmt: skip
-        fn = _cuda.get_function(_SOURCE, "simota_resolve", _OPTIONS)
-        _cuda.launch(
-            fn,
-            (-(-A // _BLOCK), B),
-            _BLOCK,
-            (*gts, p(pred), p(cls), p(obj), p(bg_sum), p(count), p(owner), p(fg_mask),
-             p(matched_gt), p(matched_iou), p(num_fg), *dims, *flags),
+        run(
+            _SOURCE, "simota_resolve", (-(-A // _BLOCK), B), _BLOCK,
+            *gts, pred, cls, obj, bg_sum, count, owner, fg_mask, matched_gt, matched_iou,
+            num_fg, *dims, *flags,
+            options=_OPTIONS,
         )  # fmt: skip
     return out

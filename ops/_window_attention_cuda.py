@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
-from aiak.ops import _cuda
+from aiak.ops import _cuda, _driver
 from aiak.ops._capability import Capability, declare, use_kernel
 from aiak.ops._window_attention_ref import (
     HALF,
@@ -78,15 +78,8 @@ def _use_attention_kernel(q: torch.Tensor) -> bool:
 
 
 def _i64(value: int) -> Any:
-    import numpy as np
-
-    return np.int64(value)
-
-
-def _f32(value: float) -> Any:
-    import numpy as np
-
-    return np.float32(value)
+    """An int64 kernel argument (``_driver.run_kernel`` passes a plain int as int32)."""
+    return _cuda.numpy().int64(value)
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -113,8 +106,11 @@ def _mma_smem_bytes(d: int, backward: bool) -> int:
     return table + tiles + (2 * 64 * 72 * 2 if backward else 0)
 
 
-def _kernel(kind: str, dtype: torch.dtype, d: int, smem: int) -> Any:
-    fn = _cuda.get_function(SOURCE, f"window_attention_{kind}_{_CODE[dtype]}_d{d}")
+def _kernel(kind: str, dtype: torch.dtype, d: int, smem: int) -> tuple[str, Any]:
+    """The kernel's name and its CuPy function, with the function attributes its launches need
+    (set on the kernel's ``CUfunction``, so they hold for ``_driver``'s launches)."""
+    name = f"window_attention_{kind}_{_CODE[dtype]}_d{d}"
+    fn = _cuda.get_function(SOURCE, name)
     if smem > _STATIC_SMEM and fn.max_dynamic_shared_size_bytes < smem:
         fn.max_dynamic_shared_size_bytes = smem
     if kind.startswith("mma") and id(fn) not in _CARVED:
@@ -122,7 +118,7 @@ def _kernel(kind: str, dtype: torch.dtype, d: int, smem: int) -> Any:
         # memory (`_mma_blocks`), and these kernels read global memory once, through registers
         fn.preferred_shared_memory_carveout = 100
         _CARVED.add(id(fn))
-    return fn
+    return name, fn
 
 
 _CARVED: set[int] = set()
@@ -180,11 +176,12 @@ def _strides(t: torch.Tensor) -> tuple[Any, Any, Any]:
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-    """One launch configuration: kernel function, grid, shared memory, the argument tail after
-    the pointers (strides, sizes), and what a call with this metadata must still do per call
-    (``align``: the q/k/v pointer bits that must be zero; bias/mask conversion to fp32)."""
+    """One launch configuration: kernel name, grid, shared memory, the argument tail after
+    the pointers (int64 strides, int32 sizes), and what a call with this metadata must still
+    do per call (``align``: the q/k/v pointer bits that must be zero; bias/mask conversion to
+    fp32)."""
 
-    fn: Any
+    name: str
     grid: tuple[int, int]
     smem: int
     tail: tuple
@@ -214,14 +211,14 @@ def _make_plan(kernel: str, backward: bool, q, k, v, bias, mask) -> _Plan:
     windows, heads, n, d = q.shape
     nw = mask.shape[0] if mask is not None else 1
     tail = (*_strides(q), *_strides(k), *_strides(v))
-    tail += (_cuda.i32(windows), _cuda.i32(heads), _cuda.i32(n), _cuda.i32(nw))
+    tail += (windows, heads, n, nw)
     if kernel == "mma":
         smem = _mma_smem_bytes(d, backward)
-        fn = _kernel("mma_bwd" if backward else "mma_fwd", q.dtype, d, smem)
+        name, fn = _kernel("mma_bwd" if backward else "mma_fwd", q.dtype, d, smem)
         blocks = _mma_blocks(fn, windows, heads, nw, smem)
     else:
         smem = 4 * _smem_floats(n, d, backward)
-        fn = _kernel("bwd" if backward else "fwd", q.dtype, d, smem)
+        name, _ = _kernel("bwd" if backward else "fwd", q.dtype, d, smem)
         blocks = windows
         if backward:
             # Each block loops over windows of one head and adds its bias gradient once: about
@@ -229,7 +226,7 @@ def _make_plan(kernel: str, backward: bool, q, k, v, bias, mask) -> _Plan:
             sms = _cuda.num_sms(torch.cuda.current_device())
             blocks = max(1, min(windows, (8 * sms) // heads))
     return _Plan(
-        fn,
+        name,
         (blocks, heads),
         smem,
         tail,
@@ -271,8 +268,10 @@ def _cached(kernel: str, dout, q, k, v, bias, mask, scale) -> _Plan | None:
 
 
 def _launch(plan: _Plan, tensors: tuple, scale: float) -> None:
-    args = (*(_cuda.ptr(t) for t in tensors), *plan.tail, _f32(scale))
-    _cuda.launch(plan.fn, plan.grid, _THREADS, args, shared_mem=plan.smem)
+    _driver.run_kernel(
+        SOURCE, plan.name, plan.grid, _THREADS, *tensors, *plan.tail, float(scale),
+        shared_mem=plan.smem,
+    )  # fmt: skip
 
 
 def _fp32(t: torch.Tensor | None, ready: bool) -> torch.Tensor | None:

@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from aiak.ops import _cuda
+from aiak.ops import _cuda, _driver
 from aiak.ops._capability import Capability, declare, use_kernel
 from aiak.ops._registry import define
 
@@ -237,17 +237,13 @@ def _fcos3d_cuda(*args: Any) -> tuple[torch.Tensor, ...]:
     out = _outputs(B, P, code, points.device)
     if B * P == 0:
         return tuple(out)
-    p = _cuda.ptr
-    ptrs = [p(t.contiguous()) for t in tensors]  # contiguous() is free for the usual layout
+    ins = [t.contiguous() for t in tensors]  # contiguous() is free for the usual layout
     with _cuda.on_device(points.device):
-        fn = _cuda.get_function(_SOURCE, "fcos3d_targets", _OPTIONS)
-        _cuda.launch(
-            fn,
-            (-(-P // _BLOCK), B),
-            _BLOCK,
-            (*ptrs, *(p(t) for t in out), np.int32(P), np.int32(G), np.int32(code),
-             np.float64(center_sample_radius), np.float32(-centerness_alpha),
-             np.int64(background_label), np.int64(attr_background_label)),
+        _driver.run_kernel(
+            _SOURCE, "fcos3d_targets", (-(-P // _BLOCK), B), _BLOCK,
+            *ins, *out, P, G, code, np.float64(center_sample_radius), float(-centerness_alpha),
+            np.int64(background_label), np.int64(attr_background_label),
+            options=_OPTIONS,
         )  # fmt: skip
     return tuple(out)
 

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from aiak.ops import _cuda
+from aiak.ops import _cuda, _driver
 from aiak.ops import _window_attention_cuda as _wac
 from aiak.ops._capability import Capability, declare, use_kernel
 from aiak.ops._registry import define
@@ -103,13 +103,11 @@ def _gather_cuda(
             row = src.shape[-1] * src.element_size()  # bytes per token
             unit = next(u for u in (16, 8, 4, 2, 1) if row % u == 0 and ptrs % u == 0)
             total = dst.numel() * dst.element_size() // unit
-            fn = _cuda.get_function(SOURCE, f"window_gather_{unit}")
             blocks = max(1, min(-(-total // 256), 32 * _cuda.num_sms(device)))
-            ints = (h, w, ws, shift % h, shift % w)
-            tail = (*map(_cuda.i32, ints), _i64(row // unit), _i64(total), _cuda.i32(int(merge)))
-            plan = _GATHERS[(*key, device)] = (fn, blocks, tail)
-        fn, blocks, tail = plan
-        _cuda.launch(fn, blocks, 256, (_cuda.ptr(src), _cuda.ptr(dst), *tail))
+            tail = (h, w, ws, shift % h, shift % w, _i64(row // unit), _i64(total), int(merge))
+            plan = _GATHERS[(*key, device)] = (f"window_gather_{unit}", blocks, tail)
+        name, blocks, tail = plan
+        _driver.run_kernel(SOURCE, name, blocks, 256, src, dst, *tail)
 
 
 # (src shape, dst numel, dtype, geometry, direction, pointer bits, device) -> launch plan

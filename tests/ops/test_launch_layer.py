@@ -29,12 +29,6 @@ def test_kernels_disabled_parses_strictly(monkeypatch: pytest.MonkeyPatch) -> No
         _cuda.kernels_disabled()
 
 
-def test_i32_refuses_values_that_do_not_fit() -> None:
-    assert _cuda.i32(7) == np.int32(7)
-    with pytest.raises(ValueError, match="does not fit in 32 bits"):
-        _cuda.i32(2**31)
-
-
 def test_numba_shim_restores_row_stack(monkeypatch: pytest.MonkeyPatch) -> None:
     # numba-cuda 0.30.4 calls np.row_stack, gone in numpy 2.5: the shim aliases it to vstack.
     monkeypatch.delattr(np, "row_stack", raising=False)
@@ -96,8 +90,21 @@ def test_grad_mode_alone_keeps_the_eager_fast_path() -> None:
         assert L2NORM_OP.eager_kernel(([ts[0], leaf], True)) is L2NORM_OP.reference
 
 
-def test_driver_kernel_fallback_argument_types() -> None:
-    """Without a driver handle, DriverKernel passes CuPy numpy scalars of the kernel's types."""
+class _StandIn:
+    """A CuPy RawKernel without a driver handle: records what CuPy would be asked to launch."""
+
+    name = "probe"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def __call__(self, grid, block, args, shared_mem=0, stream=None) -> None:
+        self.calls.append((grid, block, args, shared_mem))
+
+
+def test_driver_kernel_fallback_argument_types(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a driver handle, DriverKernel hands CuPy numpy scalars of the kernel's types
+    and the same grid, block and shared memory."""
     import ctypes
 
     assert _driver._numpy_type(ctypes.c_uint64) is np.uint64
@@ -106,15 +113,182 @@ def test_driver_kernel_fallback_argument_types() -> None:
     assert _driver._numpy_type(ctypes.c_uint32) is np.uint32
     assert _driver._numpy_type(ctypes.c_float) is np.float32
     assert _driver._numpy_type(ctypes.c_double) is np.float64
-    seen = []
-    k = _driver.DriverKernel.__new__(_driver.DriverKernel)
-    k._ptr, k._argtypes = None, (ctypes.c_uint64, ctypes.c_float, ctypes.c_int64)
-    k._cupy_fn = lambda grid, block, args, stream: seen.append((grid, block, args))
-    import unittest.mock
-
-    with unittest.mock.patch.object(_cuda, "current_stream", lambda: None):
-        k(3, 128, 2**40, 0.5, 7)
-    ((grid, block, args),) = seen
-    assert grid == (3,) and block == (128,)
+    monkeypatch.setattr(_cuda, "current_stream", lambda: None)
+    fn = _StandIn()
+    k = _driver.DriverKernel(fn, (ctypes.c_uint64, ctypes.c_float, ctypes.c_int64))
+    assert k._ptr is None
+    k(3, 128, 2**40, 0.5, 7)
+    k((3, 2), (32, 4, 2), 1, 0.25, -(2**40), shared_mem=70000)
+    (g1, b1, args, smem1), (g2, b2, args2, smem2) = fn.calls
+    assert (g1, b1, smem1) == ((3, 1, 1), (128, 1, 1), 0)
+    assert (g2, b2, smem2) == ((3, 2, 1), (32, 4, 2), 70000)
     assert [type(a) for a in args] == [np.uint64, np.float32, np.int64]
     assert [int(args[0]), float(args[1]), int(args[2])] == [2**40, 0.5, 7]
+    assert int(args2[2]) == -(2**40)
+    # the fallback checks values as the driver path does: nothing wraps
+    with pytest.raises(ValueError, match=r"probe: argument 0 \(-1\) does not fit c_ulong"):
+        k(1, 1, -1, 0.5, 7)
+    assert len(fn.calls) == 2
+
+
+def _recording_driver(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
+    seen: list[tuple] = []
+
+    def cu_launch_kernel(ptr, gx, gy, gz, bx, by, bz, smem, stream, params, extra) -> int:
+        seen.append((ptr, (gx, gy, gz), (bx, by, bz), smem, stream, len(params)))
+        return 0
+
+    monkeypatch.setattr(_driver, "_driver", lambda: cu_launch_kernel)
+    monkeypatch.setattr(_cuda, "device_index", lambda: 0)
+    monkeypatch.setattr(_cuda, "raw_stream", lambda device: 77)
+    return seen
+
+
+def test_driver_kernel_passes_grid_block_and_shared_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import ctypes
+
+    seen = _recording_driver(monkeypatch)
+    fn = _StandIn()
+    fn.kernel = types.SimpleNamespace(ptr=0xABC)
+    k = _driver.DriverKernel(fn, (ctypes.c_uint64, ctypes.c_int32))
+    k(5, 256, 1, 2)
+    k((5, 6), (16, 8), 1, 2, shared_mem=100 * 1024)
+    k((5, 6, 7), (4,), 1, 2)
+    assert seen == [
+        (0xABC, (5, 1, 1), (256, 1, 1), 0, 77, 2),
+        (0xABC, (5, 6, 1), (16, 8, 1), 100 * 1024, 77, 2),
+        (0xABC, (5, 6, 7), (4, 1, 1), 0, 77, 2),
+    ]
+    assert fn.calls == []
+
+
+@pytest.mark.parametrize(
+    ("grid", "block", "shared_mem", "exc", "match"),
+    [
+        (0, 32, 0, ValueError, "grid dimensions must be in"),
+        (2**32 + 1, 32, 0, ValueError, "grid dimensions must be in"),  # would wrap to 1
+        ((4, -1), 32, 0, ValueError, "grid dimensions must be in"),
+        (4, (1, 1, 1, 1), 0, TypeError, "block must be an int or a tuple of 1 to 3 ints"),
+        (4, 32.0, 0, TypeError, "block must be an int"),
+        ((), 32, 0, TypeError, "grid must be"),
+        (4, 32, -1, ValueError, "shared_mem must be an int in"),
+        (4, 32, 2**32, ValueError, "shared_mem must be an int in"),
+    ],
+)
+def test_driver_kernel_refuses_launch_numbers_that_would_wrap(
+    monkeypatch: pytest.MonkeyPatch, grid, block, shared_mem, exc, match
+) -> None:
+    import ctypes
+
+    seen = _recording_driver(monkeypatch)
+    fn = _StandIn()
+    fn.kernel = types.SimpleNamespace(ptr=1)
+    k = _driver.DriverKernel(fn, (ctypes.c_int32,))
+    with pytest.raises(exc, match=match):
+        k(grid, block, 1, shared_mem=shared_mem)
+    assert seen == []
+
+
+@pytest.mark.parametrize(
+    ("argtypes", "values", "match"),
+    [
+        (("c_int32",), (2**31,), r"argument 0 \(2147483648\) does not fit c_int"),
+        (("c_int32",), (-(2**31) - 1,), "argument 0"),
+        (("c_uint64", "c_int64"), (0, 2**63), r"argument 1 \(9223372036854775808\)"),
+        (("c_uint64",), (-1,), "argument 0"),
+        (("c_int32",), (1.5,), "argument 0"),
+        (("c_int32", "c_int32"), (1,), "probe takes 2 arguments, got 1"),
+    ],
+)
+def test_driver_kernel_refuses_values_that_do_not_fit(
+    monkeypatch: pytest.MonkeyPatch, argtypes, values, match
+) -> None:
+    import ctypes
+
+    seen = _recording_driver(monkeypatch)
+    fn = _StandIn()
+    fn.kernel = types.SimpleNamespace(ptr=1)
+    k = _driver.DriverKernel(fn, tuple(getattr(ctypes, t) for t in argtypes))
+    with pytest.raises(ValueError, match=match):
+        k(1, 1, *values)
+    assert seen == []
+
+
+def test_a_float_beyond_float32_packs_as_inf(monkeypatch: pytest.MonkeyPatch) -> None:
+    """C's conversion (and a float32 tensor's): not a wrap, and what cast_scale_ relies on."""
+    import ctypes
+    import struct
+
+    _recording_driver(monkeypatch)
+    fn = _StandIn()
+    fn.kernel = types.SimpleNamespace(ptr=1)
+    k = _driver.DriverKernel(fn, (ctypes.c_float, ctypes.c_double))
+    k(1, 1, -1e39, 1e300)
+    buf, _ = k._local.slots
+    assert struct.unpack_from("@fd", buf) == (float("-inf"), 1e300)
+
+
+def test_argtype_keeps_numpy_scalar_types() -> None:
+    import ctypes
+
+    assert _driver.argtype(torch.zeros(1)) is ctypes.c_uint64
+    assert _driver.argtype(torch.nn.Parameter(torch.zeros(1))) is ctypes.c_uint64
+    assert _driver.argtype(None) is ctypes.c_uint64
+    assert _driver.argtype(3) is ctypes.c_int32
+    assert _driver.argtype(True) is ctypes.c_int32
+    assert _driver.argtype(0.5) is ctypes.c_float
+    assert _driver.argtype(np.int32(3)) is ctypes.c_int32
+    assert _driver.argtype(np.int64(3)) is ctypes.c_int64
+    assert _driver.argtype(np.uint32(3)) is ctypes.c_uint32
+    assert _driver.argtype(np.uint64(3)) is ctypes.c_uint64
+    assert _driver.argtype(np.float32(0.5)) is ctypes.c_float
+    # np.float64 is a subclass of float, and still a double
+    assert _driver.argtype(np.float64(0.5)) is ctypes.c_double
+    for bad in (np.int16(1), "1", ctypes.c_int64(1), 1j):
+        with pytest.raises(TypeError, match="a kernel argument must be"):
+            _driver.argtype(bad)
+
+
+def test_run_kernel_makes_one_kernel_per_source_name_options_and_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import ctypes
+
+    seen = _recording_driver(monkeypatch)
+    compiled = []
+
+    def get_function(source, name, options=_cuda.DEFAULT_OPTIONS):
+        compiled.append((source, name, options))
+        fn = _StandIn()
+        fn.kernel = types.SimpleNamespace(ptr=len(compiled))
+        return fn
+
+    monkeypatch.setattr(_cuda, "get_function", get_function)
+    monkeypatch.setattr(_driver, "_launchers", {})
+    t = torch.zeros(2)
+    opts = ("-std=c++17", "--fmad=false")
+    _driver.run_kernel("a.cu", "k", (2, 3), 64, t, None, 1, 0.5, np.int64(2**40), np.float64(0.1))
+    _driver.run_kernel("a.cu", "k", 1, 64, t, t, 2, 1.5, np.int64(3), np.float64(0.2))
+    _driver.run_kernel("a.cu", "k", 1, 64, t, t, 2, 1.5, np.int64(3), np.float64(0.2), options=opts)
+    monkeypatch.setattr(_cuda, "device_index", lambda: 1)
+    _driver.run_kernel("a.cu", "k", 1, 64, t, t, 2, 1.5, np.int64(3), np.float64(0.2))
+    default = ("a.cu", "k", _cuda.DEFAULT_OPTIONS)
+    assert compiled == [default, ("a.cu", "k", opts), default]  # once per key
+    assert [k[2:] for k in _driver._launchers] == [
+        (_cuda.DEFAULT_OPTIONS, 0),
+        (opts, 0),
+        (_cuda.DEFAULT_OPTIONS, 1),
+    ]
+    kernel = next(iter(_driver._launchers.values()))
+    assert kernel._argtypes == (
+        ctypes.c_uint64,
+        ctypes.c_uint64,
+        ctypes.c_int32,
+        ctypes.c_float,
+        ctypes.c_int64,
+        ctypes.c_double,
+    )
+    assert [s[1:4] for s in seen] == [((2, 3, 1), (64, 1, 1), 0)] + [((1, 1, 1), (64, 1, 1), 0)] * 3
+    assert [s[0] for s in seen] == [1, 1, 2, 3]  # each launch on its kernel's handle
