@@ -15,11 +15,11 @@ from aiak.ops import _cuda, _driver
 
 _SOURCE = "dgc_select.cu"
 _DEFINES = _cuda.defines(_SOURCE)
-_TILE = 4096  # elements per tile of the counting and compaction passes (TILE in the .cu)
-_BLOCK = 256
+_TILE = _DEFINES["TILE"]  # elements per tile of the counting and compaction passes
+_BLOCK = _DEFINES["BLOCK"]
 _NREG = _DEFINES["NREG"]  # thresholds the counting kernel keeps in registers
 NFAST = _DEFINES["NFAST"]  # thresholds of the fast count (resample mode)
-_WCHUNK = 32  # tiles per block of the ordered write (WCHUNK in the .cu)
+_WCHUNK = _DEFINES["WCHUNK"]  # tiles per block of the ordered write
 
 
 def _capacity(k: int, tiles: int) -> int:
