@@ -9,7 +9,8 @@ gradient byte goes through it). Three runs in one process group, each from the s
 * dense: DDP allreduce (aiak.comm.allreduce, for its byte counter), SGD momentum 0.9;
 * dgc: aiak.comm.dgc(compress_ratio=0.001, fp16_values=True, int32_indices=True) with
   aiak.comm.DGCSGD (momentum in DGC's memory);
-* downsample: aiak.comm.downsample(n=4), SGD momentum 0.9.
+* downsample: aiak.comm.downsample(n=4, momentum=0.9), SGD momentum 0.9 (gradient momentum 0.9
+  damps the burst an element's four delayed steps make when it travels: docs/dgc.md).
 
 Prints each run's test accuracy and the gradient bytes rank 0 sent (counted by the hooks), and
 the ratios; with several seeds (each its own data split, weights and batch order), each seed's
@@ -80,7 +81,7 @@ def run_mode(
         hook = comm.dgc(compress_ratio=0.001, fp16_values=True, int32_indices=True)
         opt: torch.optim.Optimizer = comm.DGCSGD(model.parameters(), lr=lr, momentum=0.9)
     else:
-        hook = comm.downsample(n=4) if mode == "downsample" else comm.allreduce()
+        hook = comm.downsample(n=4, momentum=0.9) if mode == "downsample" else comm.allreduce()
         opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     comm.register(ddp, hook)
     g = torch.Generator().manual_seed(seed)

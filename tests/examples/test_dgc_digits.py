@@ -1,5 +1,5 @@
 """examples/dgc_digits.py: DGC at 0.001 within a point of dense SGD with >= 300x fewer bytes;
-downsampling n=4 sends 4x fewer bytes."""
+downsampling n=4 within a point with 4x fewer bytes."""
 
 from __future__ import annotations
 
@@ -23,6 +23,6 @@ def test_dgc_matches_dense_accuracy_with_300x_fewer_bytes() -> None:
     assert dgc["accuracy"] >= dense["accuracy"] - 1.0
     assert dense["bytes"] / dgc["bytes"] >= 300
     assert dense["bytes"] / ds["bytes"] == pytest.approx(4, rel=0.01)
-    # 96.39 vs 98.06 at seed 0, the worst of seeds 0-5 (their mean: 0.37 below dense,
-    # docs/dgc.md); the delayed updates oscillate at this learning rate
-    assert ds["accuracy"] >= dense["accuracy"] - 2.0
+    # 97.78 vs 98.06 at seed 0 with gradient momentum 0.9; seeds 0-5 are all within 0.28
+    # points below dense or above it (docs/dgc.md)
+    assert ds["accuracy"] >= dense["accuracy"] - 1.0
