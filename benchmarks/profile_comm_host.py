@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             hook = factory()
             state = hook.state
             state.offload = offload
-            state._link, state._ready, state._serial = link, True, hook.deferring()
+            state._link, state._ready, state._serial = link, True, hook.deferring(state)
             _propagate_link(state, link)
             results[name] = timed(
                 name, lambda b, h=hook, s=state: h(s, b), buckets, args.steps, sync

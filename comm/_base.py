@@ -164,7 +164,8 @@ class CommHook:
     def __init__(self, state: HookState) -> None:
         self.state = state
 
-    def deferring(self) -> bool:
+    def deferring(self, state: HookState) -> bool:
+        """Whether this tree, as set up on ``state``, launches collectives from callbacks."""
         return self.defers
 
     def syncing(self) -> bool:
@@ -249,7 +250,7 @@ class CommHook:
         state._link = topo.link(ranks, group=pg)
         state._names = names if names is not None else state._names
         self.setup_tree(state, Setup(topo, [ranks], 0, state._names))
-        state._serial = self.deferring()
+        state._serial = self.deferring(state)
         state._syncs = self.syncing()
         state._tail = None
         coalesce = check_coalesce("aiak.comm", state.coalesce)
@@ -303,8 +304,8 @@ class Wrapper(CommHook):
     def setup_tree(self, state: HookState, ctx: Setup) -> None:
         self.inner.setup_tree(state.inner, ctx)
 
-    def deferring(self) -> bool:
-        return self.defers or self.inner.deferring()
+    def deferring(self, state: HookState) -> bool:
+        return self.defers or self.inner.deferring(state.inner)
 
     def syncing(self) -> bool:
         return self.syncs or self.inner.syncing()

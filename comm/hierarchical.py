@@ -42,13 +42,19 @@ class HierarchicalState(HookState):
 
 class _Hierarchical(CommHook):
     __slots__ = ("inner", "outer")
-    defers = True  # the outer and allgather stages start in callbacks
+    defers = True  # two levels: the outer and allgather stages start in callbacks
 
     def __init__(self, state: HierarchicalState, inner: CommHook, outer: CommHook) -> None:
         super().__init__(state)
         self.inner, self.outer = inner, outer
 
-    def deferring(self) -> bool:
+    def deferring(self, state: HierarchicalState) -> bool:
+        # One level (one node, one rank per node, or flat): the stage's hook launches directly.
+        # Serialising buckets there would hold each launch until the previous bucket is done.
+        if state._mode == "intra":
+            return self.inner.deferring(state.inner)
+        if state._mode in ("inter", "flat"):
+            return self.outer.deferring(state.outer)
         return True
 
     def syncing(self) -> bool:

@@ -488,3 +488,23 @@ def test_topology_needs_no_numpy() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("outer", "mode", "serial"),
+    [
+        ("allreduce", "two-level", True),  # later stages launch from callbacks
+        ("allreduce", "intra", False),  # one level: the stage's hook launches directly
+        ("allreduce", "inter", False),
+        ("allreduce", "flat", False),
+        ("powersgd", "inter", True),  # PowerSGD itself launches Q from P's callback
+        ("powersgd", "intra", False),  # one node: only the (plain) inner stage runs
+    ],
+)
+def test_hierarchical_serialises_buckets_only_where_launches_are_deferred(outer, mode, serial):
+    slow = comm.powersgd(rank=1) if outer == "powersgd" else comm.allreduce()
+    hook = comm.hierarchical(outer=slow)
+    hook.state._mode = mode  # what setup_tree decides from the topology
+    assert hook.deferring(hook.state) is serial
+    assert comm.nan_check(hook).deferring(comm.nan_check(hook).state) is serial
+
