@@ -23,7 +23,7 @@ from .accumulate import Accumulator, accumulate
 from .activate import ddp, from_env, register
 from .allreduce import AllreduceState, allreduce
 from .cast import CastState, bf16_compress, fp16_compress
-from .dgc import DGCSGD, DGCState, check_dgc_optimizer, dgc
+from .dgc import DGCSGD, DGCState, check_dgc_optimizer, dgc, link_dgc_optimizer
 from .downsample import DownsampleState, downsample
 from .env import EnvConfig, bucket_cap_mb, gloo_timeout, parse_env
 from .hierarchical import HierarchicalState, hierarchical
@@ -65,6 +65,7 @@ __all__ = [
     "from_env",
     "gloo_timeout",
     "hierarchical",
+    "link_dgc_optimizer",
     "multi_stream",
     "nan_check",
     "overlap_step",

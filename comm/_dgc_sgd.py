@@ -46,6 +46,8 @@ class DGCSGD(torch.optim.Optimizer):
         for g in optimizer.param_groups:
             if g.get("dampening", 0):
                 raise ValueError("DGCSGD: dampening is not supported by DGC's momentum")
+            if g.get("maximize", False):
+                raise ValueError("DGCSGD: maximize=True is not supported")
             groups.append(
                 {
                     "params": list(g["params"]),

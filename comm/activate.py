@@ -15,6 +15,7 @@ import torch
 from ._base import CommHook, check_coalesce
 from .allreduce import allreduce
 from .cast import fp16_compress
+from .dgc import dgc
 from .downsample import downsample
 from .env import EnvConfig, bucket_cap_mb, parse_env
 from .hierarchical import hierarchical
@@ -28,6 +29,31 @@ __all__ = ["build", "ddp", "from_env", "register"]
 
 def build(cfg: EnvConfig) -> CommHook | None:
     """The hook these settings ask for; ``None`` when they ask for DDP's own allreduce."""
+    hook = _dgc(cfg) if cfg.dgc is not None else _reduction(cfg)
+    extras = cfg.streams > 1 or cfg.nancheck or cfg.log_steps or cfg.coalesce > 1
+    if hook is None:
+        if not extras:
+            return None
+        hook = allreduce()
+    if cfg.nancheck:
+        hook = nan_check(hook)
+    hook.state.log_every = cfg.log_steps
+    hook.state.coalesce = cfg.coalesce
+    return hook
+
+
+def _dgc(cfg: EnvConfig) -> CommHook:
+    # parse_env refused every other compression beside DGC
+    kw = dict(cfg.dgc or ())
+    if "clip_grad_func_params" in kw:
+        kw["clip_grad_func_params"] = dict(kw["clip_grad_func_params"])
+    hook = dgc(**kw)
+    hook.state.awaits_optimizer = True  # its momentum is the SGD's (link_dgc_optimizer)
+    return hook
+
+
+def _reduction(cfg: EnvConfig) -> CommHook | None:
+    """The allreduce tree (two levels, fp16, PowerSGD, downsampling); ``None``: plain."""
     fp16_everywhere = cfg.fp16 or cfg.dtype == 0
     fp16_inter = cfg.dtype == 2
     two_level = cfg.hierarchical or cfg.mode == 1 or (cfg.mode is None and fp16_inter)
@@ -39,19 +65,14 @@ def build(cfg: EnvConfig) -> CommHook | None:
         slow = allreduce()
     if cfg.streams > 1:
         slow = multi_stream(slow, cfg.streams)
+    plain = not (two_level or fp16_everywhere or fp16_inter or cfg.powersgd or cfg.downsample > 1)
+    if plain and cfg.streams == 1:
+        return None
     hook = hierarchical(outer=slow) if two_level else slow
     if two_level and fp16_everywhere:  # the whole two-level exchange in fp16
         hook = fp16_compress(hook, scale=cfg.scale)
     if cfg.downsample > 1:
         hook = downsample(hook, cfg.downsample, cfg.momentum)
-    if cfg.nancheck:
-        hook = nan_check(hook)
-    plain = not (two_level or fp16_everywhere or fp16_inter or cfg.powersgd or cfg.downsample > 1)
-    extras = cfg.streams > 1 or cfg.nancheck or cfg.log_steps or cfg.coalesce > 1
-    if plain and not extras:
-        return None
-    hook.state.log_every = cfg.log_steps
-    hook.state.coalesce = cfg.coalesce
     return hook
 
 

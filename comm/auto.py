@@ -22,8 +22,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import _dgc_auto
 from .activate import build, register
-from .env import parse_env
+from .env import DGC_VARIABLES, parse_env
 from .lifecycle import shutdown
 
 __all__ = ["activate", "active", "check", "deactivate"]
@@ -50,6 +51,7 @@ VARIABLES = (
     "PERSEUS_DOWNSAMPLE_N_ELEMENTS",
     "PERSEUS_GRADIENT_MOMENTUM",
     "PERSEUS_PERF_CHECK_N_STEPS",
+    *DGC_VARIABLES,
 )
 
 _saved: dict[str, Any] = {}  # "init" -> DDP.__init__ as found; empty when not active
@@ -74,6 +76,12 @@ def activate(environ: Mapping[str, str] | None = None) -> list[str]:
     names = _asked(env)
     if not names or _saved:
         return []
+    if parse_env(env).dgc is not None:
+        if (env.get("AIAK_FUSED_OPTIMIZER") or "0").strip() == "1":
+            raise ValueError(
+                "AIAK_DGC=1 contradicts AIAK_FUSED_OPTIMIZER=1: DGC steps its own SGD (DGCSGD)"
+            )
+        _dgc_auto.activate()
     ddp_cls = torch.nn.parallel.DistributedDataParallel
     orig = ddp_cls.__init__
     _saved["init"] = vars(ddp_cls).get("__init__")
@@ -87,6 +95,7 @@ def activate(environ: Mapping[str, str] | None = None) -> list[str]:
         orig(self, module, *args, **kwargs)
         hook = register(self, environ=env)
         self._aiak_hook, self._aiak_auto = hook, True  # a later register() call sees them
+        _dgc_auto.on_ddp(self, hook)
         if "ddp" not in _logged and _rank0():
             _logged.add("ddp")
             grads = sum(
@@ -124,6 +133,7 @@ def deactivate() -> None:
     else:
         ddp_cls.__init__ = before
     dist.destroy_process_group = _saved.pop("destroy")
+    _dgc_auto.deactivate()
     _logged.clear()
 
 

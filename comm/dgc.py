@@ -44,11 +44,12 @@ def _selector() -> Any:
     return _SELECT[0]
 
 
-__all__ = ["DGCSGD", "DGCState", "check_dgc_optimizer", "dgc"]
+__all__ = ["DGCSGD", "DGCState", "check_dgc_optimizer", "dgc", "link_dgc_optimizer"]
 
 
 class DGCState(HookState):
     __slots__ = (
+        "awaits_optimizer",
         "clip_grad_func",
         "clip_grad_func_params",
         "compress_lower_bound",
@@ -77,6 +78,9 @@ class DGCState(HookState):
             setattr(self, name, value)
         self.epoch = 0
         self.seed = 0
+        # True for a hook built from AIAK_DGC=1: its momentum comes from the SGD optimizer
+        # (link_dgc_optimizer); exchanging gradients before that would use a guessed momentum.
+        self.awaits_optimizer = False
         self.mmt: dict[str, torch.Tensor] = {}  # momentum per parameter (fp32, +1 dump slot)
         self.vec: dict[str, torch.Tensor] = {}  # accumulated residual per parameter
 
@@ -145,6 +149,13 @@ class _DGC(CommHook):
         state._names = ctx.names
 
     def reduce(self, state: DGCState, bucket: Any, link: Link) -> torch.futures.Future:
+        if state.awaits_optimizer:
+            raise RuntimeError(
+                "dgc: this hook was built from AIAK_DGC=1 and no SGD optimizer was linked to it "
+                "before the first backward: DGC supports SGD only and takes its momentum from "
+                "it. Build torch.optim.SGD over the model's parameters (aiakrun --dgc swaps it "
+                "for DGCSGD) or call aiak.comm.link_dgc_optimizer(hook, optimizer)"
+            )
         buf = bucket.buffer()
         length, base = buf.numel(), buf.storage_offset()
         names = state._names or {}
@@ -352,3 +363,33 @@ def check_dgc_optimizer(hook: CommHook, optimizer: torch.optim.Optimizer) -> Non
             "DGC applies momentum in its memory; an SGD with momentum would apply it twice: "
             "use aiak.comm.DGCSGD.from_optimizer(optimizer)"
         )
+
+
+def link_dgc_optimizer(hook: CommHook, optimizer: torch.optim.Optimizer) -> None:
+    """Give the DGC in ``hook`` the momentum (and nesterov) of ``optimizer``.
+
+    For a hook built from the environment (``AIAK_DGC=1``), whose momentum is the optimizer's.
+    ``optimizer``: :class:`DGCSGD` (its groups' momentum then applies to weight decay only),
+    or SGD without momentum. Every group must have the same momentum and nesterov.
+    """
+    states = _dgc_states(hook.state)
+    if not states:
+        raise ValueError("link_dgc_optimizer: hook contains no DGC")
+    require_sgd(optimizer)
+    settings = {
+        (float(g.get("momentum", 0.0)), bool(g.get("nesterov", False)))
+        for g in optimizer.param_groups
+    }
+    if len(settings) != 1:
+        raise ValueError(
+            f"link_dgc_optimizer: the optimizer's groups differ in momentum/nesterov "
+            f"{sorted(settings)}; DGC keeps one momentum in its memory"
+        )
+    ((m, nesterov),) = settings
+    if m and not isinstance(optimizer, DGCSGD):
+        raise ValueError(
+            "link_dgc_optimizer: an SGD with momentum would apply it twice: link "
+            "aiak.comm.DGCSGD.from_optimizer(optimizer) instead"
+        )
+    for s in states:
+        s.momentum, s.nesterov, s.awaits_optimizer = m, nesterov, False

@@ -86,6 +86,8 @@ class EnvConfig:
     momentum: float = 1.0  # PERSEUS_GRADIENT_MOMENTUM (memory of the elements not sent)
     perf_steps: int = 0  # PERSEUS_PERF_CHECK_N_STEPS (0: off)
     perf_margin: float = 0.2  # AIAK_PERF_CHECK_MARGIN: a rank this fraction over the median
+    # AIAK_DGC=1: aiak.comm.dgc's keyword arguments from AIAK_DGC_* / AIAK_CLIP_GRAD_FUNC*
+    dgc: tuple[tuple[str, Any], ...] | None = None
 
 
 def parse_env(environ: Mapping[str, str] | None = None) -> EnvConfig:
@@ -154,6 +156,27 @@ def parse_env(environ: Mapping[str, str] | None = None) -> EnvConfig:
     )
     if "GLOO_TIMEOUT_SECONDS" in env:
         gloo_timeout(env)
+    dgc = _dgc_settings(env)
+    if dgc is not None:
+        cfg = dataclasses.replace(cfg, dgc=dgc)
+        others = [
+            name
+            for name, on in (
+                ("AIAK_FP16_COMPRESSION", cfg.fp16),
+                ("AIAK_POWERSGD_COMPRESSION", cfg.powersgd),
+                ("AIAK_HIERARCHICAL_ALLREDUCE", cfg.hierarchical),
+                ("PERSEUS_ALLREDUCE_DTYPE", cfg.dtype in (0, 2)),
+                ("PERSEUS_ALLREDUCE_MODE", cfg.mode == 1),
+                ("PERSEUS_DOWNSAMPLE_N_ELEMENTS", cfg.downsample > 1),
+                ("PERSEUS_ALLREDUCE_STREAMS", cfg.streams > 1),
+            )
+            if on
+        ]
+        if others:
+            raise ValueError(
+                f"AIAK_DGC=1 contradicts {', '.join(others)}: DGC is the whole exchange "
+                "(one allgather of the selected gradients over all ranks); choose one"
+            )
     conflicts = [
         (
             cfg.hierarchical and cfg.mode == 0,
@@ -183,6 +206,90 @@ def parse_env(environ: Mapping[str, str] | None = None) -> EnvConfig:
         if bad:
             raise ValueError(msg)
     return cfg
+
+
+_UNIT = (lambda v: 0 < v <= 1, "a number in (0, 1]")
+_BOOL = (lambda v: v in (0, 1), "0 or 1")
+# variable -> (dgc() keyword, type, check, what the check expects); dgc()'s own ranges
+_DGC_VARS: dict[str, tuple[str, Callable[[str], Any], Callable[[Any], bool], str]] = {
+    "AIAK_DGC_COMPRESS_RATIO": ("compress_ratio", float, *_UNIT),
+    "AIAK_DGC_SAMPLE_RATIO": ("sample_ratio", float, *_UNIT),
+    "AIAK_DGC_STRIDED_SAMPLE": ("strided_sample", int, *_BOOL),
+    "AIAK_DGC_COMPRESS_UPPER_BOUND": (
+        "compress_upper_bound",
+        float,
+        lambda v: 1 < v < float("inf"),
+        "a finite number > 1",
+    ),
+    "AIAK_DGC_COMPRESS_LOWER_BOUND": (
+        "compress_lower_bound",
+        float,
+        lambda v: 0 < v < 1,
+        "a number in (0, 1)",
+    ),
+    "AIAK_DGC_MAX_ADAPTATION_ITERS": (
+        "max_adaptation_iters",
+        int,
+        lambda v: 0 <= v <= 20,
+        "an integer in 0..20",
+    ),
+    "AIAK_DGC_RESAMPLE": ("resample", int, *_BOOL),
+    "AIAK_DGC_FP16_VALUES": ("fp16_values", int, *_BOOL),
+    "AIAK_DGC_INT32_INDICES": ("int32_indices", int, *_BOOL),
+    "AIAK_DGC_WARMUP_EPOCHS": (
+        "warmup_epochs",
+        int,
+        lambda v: v >= -1,
+        "an integer >= -1 (-1: no warm-up)",
+    ),
+    "AIAK_DGC_MOMENTUM_MASKING": ("momentum_masking", int, *_BOOL),
+}
+_DGC_EXTRA = ("AIAK_DGC_WARMUP_COEFF", "AIAK_CLIP_GRAD_FUNC", "AIAK_CLIP_GRAD_FUNC_PARAMS")
+DGC_VARIABLES = ("AIAK_DGC", *_DGC_VARS, *_DGC_EXTRA)
+
+
+def _dgc_settings(env: Mapping[str, str]) -> tuple[tuple[str, Any], ...] | None:
+    """``AIAK_DGC=1``'s settings as ``dgc()`` keywords; its variables without it are errors."""
+    on = _flag(env, "AIAK_DGC")
+    given = [k for k in (*_DGC_VARS, *_DGC_EXTRA) if _get(env, k) is not None]
+    if not on:
+        if given:
+            raise ValueError(f"{given[0]} is a DGC setting: it needs AIAK_DGC=1")
+        return None
+    kw: dict[str, Any] = {}
+    for name, (key, kind, ok, expect) in _DGC_VARS.items():
+        value = _number(env, name, kind, None, ok, expect)
+        if value is not None:
+            kw[key] = bool(value) if expect == _BOOL[1] else value
+    raw = _get(env, "AIAK_DGC_WARMUP_COEFF")
+    if raw is not None:  # one ratio, or one per warm-up epoch separated by spaces
+        try:
+            coeff = [float(c) for c in raw.split()]
+        except ValueError:
+            coeff = []
+        warm = kw.get("warmup_epochs", -1)
+        if not coeff or not all(0 < c <= 1 for c in coeff) or 1 < len(coeff) < warm:
+            raise ValueError(
+                "AIAK_DGC_WARMUP_COEFF must be one ratio in (0, 1] or one per warm-up epoch "
+                f"(AIAK_DGC_WARMUP_EPOCHS={warm}), separated by spaces, got {raw!r}"
+            )
+        kw["warmup_coeff"] = coeff[0] if len(coeff) == 1 else tuple(coeff)
+    func = _get(env, "AIAK_CLIP_GRAD_FUNC")
+    if func is not None and func not in ("norm", "value"):
+        raise ValueError(f"AIAK_CLIP_GRAD_FUNC must be norm or value, got {func!r}")
+    bound = _number(
+        env, "AIAK_CLIP_GRAD_FUNC_PARAMS", float, None, lambda v: 0 < v < float("inf"), "> 0"
+    )
+    if (func is None) != (bound is None):
+        raise ValueError(
+            "AIAK_CLIP_GRAD_FUNC and AIAK_CLIP_GRAD_FUNC_PARAMS go together (the clipping and "
+            "its max norm / value)"
+        )
+    if func is not None:
+        kw["clip_grad_func"] = func
+        key = {"norm": "max_norm", "value": "clip_value"}[func]
+        kw["clip_grad_func_params"] = ((key, bound),)  # pairs: the config stays hashable
+    return tuple(sorted(kw.items()))
 
 
 def bucket_cap_mb(environ: Mapping[str, str] | None = None) -> float | None:

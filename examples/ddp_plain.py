@@ -1,10 +1,11 @@
 """A plain DDP training script: torch only, no other library.
 
-    torchrun --nproc-per-node 4 examples/ddp_plain.py [--steps N] [--save PATH]
+    torchrun --nproc-per-node 4 examples/ddp_plain.py [--steps N] [--sgd M] [--save PATH]
 
 It trains a small MLP on a synthetic regression task and prints the loss on rank 0. Launchers
 may switch features on around it through the environment; the script itself stays as it is.
-``--save`` writes rank 0's final parameters and optimizer type (for comparisons).
+``--sgd M`` trains with SGD (momentum M, weight decay 1e-4) instead of AdamW. ``--save`` writes
+rank 0's final parameters and optimizer type (for comparisons).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch import nn
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--sgd", type=float, default=None, metavar="MOMENTUM")
     parser.add_argument("--save", default=None)
     args = parser.parse_args()
     dist.init_process_group()  # the backend for the device: gloo on CPU, nccl on CUDA
@@ -33,7 +35,10 @@ def main() -> None:
         nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)
     ).to(device)
     ddp = nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    if args.sgd is None:
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    else:
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=args.sgd, weight_decay=1e-4)
     gen = torch.Generator().manual_seed(rank)
     teacher = torch.randn(64, 10, generator=torch.Generator().manual_seed(1)) / 8
     first = last = None

@@ -57,19 +57,19 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--perf-check-n-steps", "PERSEUS_PERF_CHECK_N_STEPS", int, "slow-rank check period"),
     Flag("--comm-log-steps", "AIAK_COMM_LOG_STEPS", int, "log the hook's bytes every N steps"),
     # DGC (aiak.comm.dgc) and the backward/step overlap (aiak.comm.overlap_step).
-    Flag("--dgc", "AIAK_DGC", help="DGC sparse gradient compression", available=False),
-    Flag("--compress-ratio", "AIAK_DGC_COMPRESS_RATIO", float, "DGC", False, _DGC),
-    Flag("--sample-ratio", "AIAK_DGC_SAMPLE_RATIO", float, "DGC", False, _DGC),
-    Flag("--strided-sample", "AIAK_DGC_STRIDED_SAMPLE", int, "DGC (0/1)", False, _DGC),
-    Flag("--compress-upper-bound", "AIAK_DGC_COMPRESS_UPPER_BOUND", float, "DGC", False, _DGC),
-    Flag("--compress-lower-bound", "AIAK_DGC_COMPRESS_LOWER_BOUND", float, "DGC", False, _DGC),
-    Flag("--max-adaptation-iters", "AIAK_DGC_MAX_ADAPTATION_ITERS", int, "DGC", False, _DGC),
-    Flag("--resample", "AIAK_DGC_RESAMPLE", int, "DGC (0/1)", False, _DGC),
-    Flag("--fp16-values", "AIAK_DGC_FP16_VALUES", int, "DGC (0/1)", False, _DGC),
-    Flag("--int32-indices", "AIAK_DGC_INT32_INDICES", int, "DGC (0/1)", False, _DGC),
-    Flag("--warmup-epochs", "AIAK_DGC_WARMUP_EPOCHS", int, "DGC", False, _DGC),
-    Flag("--warmup-coeff", "AIAK_DGC_WARMUP_COEFF", float, "DGC", False, _DGC, nargs="+"),
-    Flag("--momentum-masking", "AIAK_DGC_MOMENTUM_MASKING", int, "DGC (0/1)", False, _DGC),
+    Flag("--dgc", "AIAK_DGC", help="DGC sparse gradient compression (SGD scripts)"),
+    Flag("--compress-ratio", "AIAK_DGC_COMPRESS_RATIO", float, "DGC", needs=_DGC),
+    Flag("--sample-ratio", "AIAK_DGC_SAMPLE_RATIO", float, "DGC", needs=_DGC),
+    Flag("--strided-sample", "AIAK_DGC_STRIDED_SAMPLE", int, "DGC (0/1)", needs=_DGC),
+    Flag("--compress-upper-bound", "AIAK_DGC_COMPRESS_UPPER_BOUND", float, "DGC", needs=_DGC),
+    Flag("--compress-lower-bound", "AIAK_DGC_COMPRESS_LOWER_BOUND", float, "DGC", needs=_DGC),
+    Flag("--max-adaptation-iters", "AIAK_DGC_MAX_ADAPTATION_ITERS", int, "DGC", needs=_DGC),
+    Flag("--resample", "AIAK_DGC_RESAMPLE", int, "DGC (0/1)", needs=_DGC),
+    Flag("--fp16-values", "AIAK_DGC_FP16_VALUES", int, "DGC (0/1)", needs=_DGC),
+    Flag("--int32-indices", "AIAK_DGC_INT32_INDICES", int, "DGC (0/1)", needs=_DGC),
+    Flag("--warmup-epochs", "AIAK_DGC_WARMUP_EPOCHS", int, "DGC", needs=_DGC),
+    Flag("--warmup-coeff", "AIAK_DGC_WARMUP_COEFF", float, "DGC", needs=_DGC, nargs="+"),
+    Flag("--momentum-masking", "AIAK_DGC_MOMENTUM_MASKING", int, "DGC (0/1)", needs=_DGC),
     Flag(
         "--overlap-backward-and-step",
         "AIAK_OVERLAP_BACKWARD_AND_STEP",
@@ -99,6 +99,8 @@ CONFLICTS: tuple[tuple[str, str, str], ...] = (
     ("--powersgd", "--fp16-compression", "choose one compression"),
     ("--dgc", "--powersgd", "choose one compression"),
     ("--dgc", "--fp16-compression", "choose one compression"),
+    ("--dgc", "--hierarchical-allreduce", "DGC's allgather runs over all ranks"),
+    ("--dgc", "--fuse-optimizer", "DGC steps its own SGD"),
 )
 
 
@@ -133,9 +135,9 @@ def environment(args: argparse.Namespace, flags: Sequence[Flag] = FLAGS) -> dict
     if missing:
         raise ValueError(
             f"aiakrun: {', '.join(missing)}: not available in this version of aiak "
-            "from the launcher: DGC needs its DGCSGD optimizer and the overlap needs the "
-            "training script's optimizer, which activation cannot reach; use aiak.comm.dgc / "
-            "aiak.comm.overlap_step in the script (docs/dgc.md)"
+            "from the launcher: the overlap steps the training script's optimizer inside the "
+            "backward, which activation cannot reach; use aiak.comm.overlap_step in the "
+            "script (docs/dgc.md)"
         )
     env: dict[str, str] = {}
     for f in flags:

@@ -51,6 +51,17 @@ HOOKS: dict[str, tuple[Any, torch.dtype]] = {
     "dgc_ratio1_momentum0": (lambda: comm.dgc(compress_ratio=1.0, momentum=0.0), torch.float32),
     "downsample_n1": (lambda: comm.downsample(n=1), torch.float32),
 }
+
+
+def _dgc_from_env() -> comm.CommHook:
+    """DGC as ``aiakrun --dgc --compress-ratio 1`` builds it, linked to an SGD without
+    momentum (what activation does with the script's SGD)."""
+    hook = comm.from_env({"AIAK_DGC": "1", "AIAK_DGC_COMPRESS_RATIO": "1"})
+    comm.link_dgc_optimizer(hook, comm.DGCSGD([nn.Parameter(torch.zeros(1))], lr=0.1))
+    return hook
+
+
+HOOKS["dgc_from_env_ratio1"] = (_dgc_from_env, torch.float32)
 # The same trees run on aiak's worker thread instead of DDP's autograd thread (the default for
 # CUDA gradients; forced here on gloo): identical collectives, in the same order.
 for _name in ("allreduce", "fp16_scale10", "nan_check_hierarchical_powersgd"):

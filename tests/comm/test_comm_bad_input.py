@@ -124,6 +124,19 @@ def test_every_variable_with_garbage_names_itself(name: str, raw: str) -> None:
         assert name in str(exc), f"{type(exc).__name__}: {exc}"
 
 
+DGC_VARIABLES = [v for v in comm.env.DGC_VARIABLES if v != "AIAK_DGC"]
+
+
+@pytest.mark.parametrize("name", DGC_VARIABLES)
+@settings(max_examples=40, deadline=None)
+@given(raw=ENV_VALUES)
+def test_every_dgc_variable_with_garbage_names_itself(name: str, raw: str) -> None:
+    try:
+        comm.from_env({"AIAK_DGC": "1", name: raw})
+    except (ValueError, TypeError) as exc:
+        assert name in str(exc), f"{type(exc).__name__}: {exc}"
+
+
 @pytest.mark.parametrize("name", VARIABLES)
 @pytest.mark.parametrize("value", [1, 1.5, b"1", ["1"]])
 def test_non_string_variables_are_type_errors(name: str, value: Any) -> None:

@@ -508,3 +508,79 @@ def test_hierarchical_serialises_buckets_only_where_launches_are_deferred(outer,
     assert hook.deferring(hook.state) is serial
     assert comm.nan_check(hook).deferring(comm.nan_check(hook).state) is serial
 
+
+def test_env_dgc_settings_reach_the_hook():
+    env = {
+        "AIAK_DGC": "1",
+        "AIAK_DGC_COMPRESS_RATIO": "0.01",
+        "AIAK_DGC_SAMPLE_RATIO": "0.05",
+        "AIAK_DGC_STRIDED_SAMPLE": "0",
+        "AIAK_DGC_COMPRESS_UPPER_BOUND": "1.5",
+        "AIAK_DGC_COMPRESS_LOWER_BOUND": "0.5",
+        "AIAK_DGC_MAX_ADAPTATION_ITERS": "3",
+        "AIAK_DGC_RESAMPLE": "0",
+        "AIAK_DGC_FP16_VALUES": "1",
+        "AIAK_DGC_INT32_INDICES": "1",
+        "AIAK_DGC_WARMUP_EPOCHS": "2",
+        "AIAK_DGC_WARMUP_COEFF": "0.5 0.1",
+        "AIAK_DGC_MOMENTUM_MASKING": "0",
+        "AIAK_CLIP_GRAD_FUNC": "norm",
+        "AIAK_CLIP_GRAD_FUNC_PARAMS": "2.5",
+        "PERSEUS_ALLREDUCE_NANCHECK": "1",
+    }
+    hook = comm.from_env(env)
+    assert hook.__name__ == "aiak_nancheck"
+    s = hook.state.inner
+    assert isinstance(s, comm.DGCState) and s.awaits_optimizer
+    assert (s.compress_ratio, s.sample_ratio, s.strided_sample) == (0.01, 0.05, False)
+    assert (s.compress_upper_bound, s.compress_lower_bound) == (1.5, 0.5)
+    assert (s.max_adaptation_iters, s.resample, s.fp16_values, s.int32_indices) == (
+        3, False, True, True
+    )  # fmt: skip
+    assert (s.warmup_epochs, list(s.warmup_coeff), s.momentum_masking) == (2, [0.5, 0.1], False)
+    assert (s.clip_grad_func, s.clip_grad_func_params) == ("norm", {"max_norm": 2.5})
+    assert [s.ratio() for s.epoch in (0, 1, 2)] == [0.5, 0.1, 0.01]
+    one = comm.from_env({"AIAK_DGC": "1", "AIAK_DGC_WARMUP_COEFF": "0.3"}).state
+    assert one.warmup_coeff == 0.3 and one.compress_ratio == 0.001  # dgc()'s defaults
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"AIAK_DGC_COMPRESS_RATIO": "0.01"}, "AIAK_DGC_COMPRESS_RATIO is a DGC setting"),
+        ({"AIAK_CLIP_GRAD_FUNC": "norm"}, "AIAK_CLIP_GRAD_FUNC is a DGC setting"),
+        ({"AIAK_DGC": "1", "AIAK_FP16_COMPRESSION": "1"}, "contradicts AIAK_FP16_COMPRESSION"),
+        ({"AIAK_DGC": "1", "AIAK_HIERARCHICAL_ALLREDUCE": "1"}, "AIAK_HIERARCHICAL_ALLREDUCE"),
+        ({"AIAK_DGC": "1", "PERSEUS_DOWNSAMPLE_N_ELEMENTS": "4"}, "DOWNSAMPLE"),
+        ({"AIAK_DGC": "1", "AIAK_CLIP_GRAD_FUNC": "norm"}, "go together"),
+        (
+            {"AIAK_DGC": "1", "AIAK_DGC_WARMUP_EPOCHS": "3", "AIAK_DGC_WARMUP_COEFF": "0.5 0.4"},
+            "one per warm-up epoch",
+        ),
+    ],
+)
+def test_env_dgc_errors(env, message):
+    with pytest.raises(ValueError, match=message):
+        comm.parse_env(env)
+
+
+def test_link_dgc_optimizer_takes_the_momentum_and_checks_the_optimizer():
+    hook = comm.from_env({"AIAK_DGC": "1"})
+    w = torch.nn.Parameter(torch.ones(3, 3))
+    sgd = torch.optim.SGD([w], lr=0.1, momentum=0.7, nesterov=True)
+    with pytest.raises(ValueError, match="would apply it twice"):
+        comm.link_dgc_optimizer(hook, sgd)
+    with pytest.raises(TypeError, match="SGD only"):
+        comm.link_dgc_optimizer(hook, torch.optim.Adam([w]))
+    two = torch.optim.SGD([{"params": [w], "momentum": 0.5}], lr=0.1, momentum=0.9)
+    two.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})
+    with pytest.raises(ValueError, match="differ in momentum"):
+        comm.link_dgc_optimizer(hook, comm.DGCSGD.from_optimizer(two))
+    assert hook.state.awaits_optimizer
+    comm.link_dgc_optimizer(hook, comm.DGCSGD.from_optimizer(sgd))
+    s = hook.state
+    assert (s.momentum, s.nesterov, s.awaits_optimizer) == (0.7, True, False)
+    with pytest.raises(ValueError, match="maximize"):
+        comm.DGCSGD.from_optimizer(torch.optim.SGD([w], lr=0.1, maximize=True))
+    with pytest.raises(ValueError, match="contains no DGC"):
+        comm.link_dgc_optimizer(comm.allreduce(), sgd)

@@ -155,3 +155,38 @@ def test_explicit_register_after_auto_registration():
         del model
     finally:
         dist.destroy_process_group()
+
+
+def test_dgc_activation_swaps_sgd_links_momentum_and_restores():
+    from torch.utils.data.distributed import DistributedSampler
+
+    from aiak import comm
+    from aiak.comm import _dgc_auto
+    from aiak.comm import auto as comm_auto
+
+    torch_sgd, set_epoch = torch.optim.SGD, DistributedSampler.set_epoch
+    env = {"AIAK_DGC": "1", "AIAK_DGC_COMPRESS_RATIO": "0.01"}
+    with pytest.raises(ValueError, match="contradicts AIAK_FUSED_OPTIMIZER"):
+        comm_auto.activate({**env, "AIAK_FUSED_OPTIMIZER": "1"})
+    assert torch.optim.SGD is torch_sgd
+    assert comm_auto.activate(env)
+    try:
+        model = torch.nn.Linear(4, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.6, weight_decay=1e-4)
+        assert type(opt) is comm.DGCSGD and isinstance(opt, torch.optim.SGD)
+        assert opt.param_groups[0]["momentum"] == 0.6  # now on weight decay only
+        hook = comm.from_env(env)  # what DDP's patched __init__ registers
+        _dgc_auto.on_ddp(model, hook)  # optimizer first, then the model: linked now
+        assert (hook.state.momentum, hook.state.awaits_optimizer) == (0.6, False)
+        other = torch.nn.Linear(2, 2)
+        late = comm.from_env(env)
+        _dgc_auto.on_ddp(other, late)  # the model first: it waits for its optimizer
+        assert late.state.awaits_optimizer
+        torch.optim.SGD(other.parameters(), lr=0.1)
+        assert (late.state.momentum, late.state.awaits_optimizer) == (0.0, False)
+        sampler = DistributedSampler(range(8), num_replicas=1, rank=0)
+        sampler.set_epoch(3)
+        assert sampler.epoch == 3 and hook.state.epoch == 3 and late.state.epoch == 3
+    finally:
+        comm_auto.deactivate()
+    assert torch.optim.SGD is torch_sgd and DistributedSampler.set_epoch is set_epoch

@@ -45,6 +45,16 @@ def test_flags_map_to_variables():
         "AIAK_FUSED_OPTIMIZER": "1",
         "PERSEUS_ACCUMULATE_N_STEPS": "4",
     }
+    assert _env(["--dgc", "--compress-ratio", "0.01", "--warmup-coeff", "0.5", "0.2"]) == {
+        "AIAK_DGC": "1",
+        "AIAK_DGC_COMPRESS_RATIO": "0.01",
+        "AIAK_DGC_WARMUP_COEFF": "0.5 0.2",
+    }
+    assert _env(["--dgc", "--clip-grad-func", "norm", "--clip-grad-func-params", "2"]) == {
+        "AIAK_DGC": "1",
+        "AIAK_CLIP_GRAD_FUNC": "norm",
+        "AIAK_CLIP_GRAD_FUNC_PARAMS": "2.0",
+    }
     assert _env([]) == {}
 
 
@@ -55,7 +65,9 @@ def test_flags_map_to_variables():
         (["--powersgd", "--fp16-compression"], "cannot be combined"),
         (["--rank", "2"], "--rank needs --powersgd"),
         (["--clip-grad-func", "norm"], "needs --dgc or --overlap-backward-and-step"),
-        (["--dgc", "--compress-ratio", "0.01"], "not available in this version"),
+        (["--compress-ratio", "0.01"], "--compress-ratio needs --dgc"),
+        (["--dgc", "--fuse-optimizer"], "cannot be combined"),
+        (["--dgc", "--hierarchical-allreduce"], "cannot be combined"),
         (["--overlap-backward-and-step"], "not available in this version"),
     ],
 )
@@ -64,11 +76,8 @@ def test_flag_errors(argv, message):
         _env(argv)
 
 
-def test_every_unavailable_flag_is_only_dgc_or_overlap():
-    # When DGC lands, flipping `available` on these rows is the whole change.
-    off = {f.option for f in flags.FLAGS if not f.available}
-    assert "--dgc" in off and "--overlap-backward-and-step" in off
-    assert all(f.needs == ("--dgc",) for f in flags.FLAGS if not f.available and f.needs)
+def test_the_only_unavailable_flag_is_the_overlap():
+    assert {f.option for f in flags.FLAGS if not f.available} == {"--overlap-backward-and-step"}
 
 
 def test_errors_stop_before_anything_starts(capsys, monkeypatch):
@@ -82,8 +91,10 @@ def test_errors_stop_before_anything_starts(capsys, monkeypatch):
     monkeypatch.delenv("AIAK_FUSED_OPTIMIZER")
     assert main(["-np", "2", "--gloo", "python", "x.py"]) == 2
     assert "after '--'" in capsys.readouterr().err
-    assert main(["-np", "2", "--dgc", "--", "python", "x.py"]) == 2
+    assert main(["-np", "2", "--overlap-backward-and-step", "--", "python", "x.py"]) == 2
     assert "not available" in capsys.readouterr().err
+    assert main(["-np", "2", "--dgc", "--compress-ratio", "2", "--", "python", "x.py"]) == 2
+    assert "AIAK_DGC_COMPRESS_RATIO must be a number in (0, 1]" in capsys.readouterr().err
 
 
 def test_dry_run_two_hosts(capsys, monkeypatch):
