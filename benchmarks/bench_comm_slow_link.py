@@ -173,30 +173,34 @@ def sh(cmd: str, check: bool = True) -> None:
     subprocess.run(cmd.split(), check=check, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def setup_link() -> None:
-    teardown_link()
-    for ns in NS:
-        sh(f"ip netns add {ns}")
-        sh(f"ip -n {ns} link set lo up")
-    sh(f"ip link add {DEV[0]} netns {NS[0]} type veth peer name {DEV[1]} netns {NS[1]}")
-    for ns, dev, addr in zip(NS, DEV, ADDR):
-        sh(f"ip -n {ns} addr add {addr}/24 dev {dev}")
-        sh(f"ip -n {ns} link set {dev} up")
+def setup_link(ns: tuple[str, str] = NS) -> None:
+    """Two namespaces ``ns`` joined by the veth pair DEV (the device names live inside them,
+    so only the namespace names must be unique on the machine)."""
+    teardown_link(ns)
+    for name in ns:
+        sh(f"ip netns add {name}")
+        sh(f"ip -n {name} link set lo up")
+    sh(f"ip link add {DEV[0]} netns {ns[0]} type veth peer name {DEV[1]} netns {ns[1]}")
+    for name, dev, addr in zip(ns, DEV, ADDR):
+        sh(f"ip -n {name} addr add {addr}/24 dev {dev}")
+        sh(f"ip -n {name} link set {dev} up")
 
 
-def set_rate(mbit: int) -> None:
+def set_rate(mbit: int, ns: tuple[str, str] = NS) -> None:
     # tbf on each end shapes that end's egress: both directions run at `mbit`. The burst must
-    # hold at least rate/HZ bytes; 256 KiB keeps 1 Gbit/s reachable (measured below).
-    for ns, dev in zip(NS, DEV):
+    # hold at least rate/HZ bytes; 256 KiB keeps 1 Gbit/s reachable (measured below), 2 ms of
+    # traffic above that.
+    burst = max(256 * 1024, mbit * 1_000_000 // 8 // 500)
+    for name, dev in zip(ns, DEV):
         sh(
-            f"ip netns exec {ns} tc qdisc replace dev {dev} root tbf rate {mbit}mbit "
-            f"burst 256kb latency 100ms"
+            f"ip netns exec {name} tc qdisc replace dev {dev} root tbf rate {mbit}mbit "
+            f"burst {burst} latency 100ms"
         )
 
 
-def teardown_link() -> None:
-    for ns in NS:  # deleting a namespace deletes its veth end and the pair with it
-        sh(f"ip netns del {ns}", check=False)
+def teardown_link(ns: tuple[str, str] = NS) -> None:
+    for name in ns:  # deleting a namespace deletes its veth end and the pair with it
+        sh(f"ip netns del {name}", check=False)
 
 
 def run_rate(args: argparse.Namespace, mbit: int, tmp: Path) -> list[dict]:

@@ -1,0 +1,329 @@
+"""aiak.comm across 2 "nodes" of one GPU machine: NVLink inside a node, a socket link between.
+
+Each node is a network namespace (``aiaknode0-<pid>``/``aiaknode1-<pid>``) joined to the other
+by a veth pair, optionally rate-limited with ``tc``. Every mode is one ``aiakrun`` job over both
+namespaces (``--remote-shell`` enters the node's namespace), its features switched on by
+aiakrun's flags only; the training script (``_nodes_worker.py``) is plain torch. Per node the
+remote shell sets ``CUDA_VISIBLE_DEVICES`` to the node's GPUs and a distinct ``NCCL_HOSTID``:
+NCCL then treats the namespaces as separate hosts, keeps NVLink (P2P) between the GPUs of a node
+and sends everything between nodes through its socket transport over the veth
+(``NCCL_SOCKET_IFNAME``, InfiniBand off). On a machine without GPUs the ranks run gloo on CPU.
+
+    sudo python3 benchmarks/bench_comm_nodes.py --per-node 2 --models linear,resnet50
+
+Models: ``linear`` = 12 x Linear(4096, 4096) (805 MB of fp32 gradients), ``resnet50`` =
+torchvision ResNet-50 (102 MB), ``tiny`` = 3 x Linear(64, 64) (for a quick check); batch 32
+per rank, SGD. Reported per model and mode: the median step time, the relative error of one
+step's averaged gradient against the exact no-hook average (and torch's fp16 hook's error, the
+bound for fp16 wires), the bytes the hook sent per step per stage (all ranks), and the bytes
+that left the nodes through the link. Appends to ``benchmarks/results/comm_nodes.csv`` and
+draws ``comm_nodes_<N>x<G>.png`` (skipped without matplotlib; ``--replot`` later).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import datetime
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_comm_slow_link import ADDR, DEV, set_rate, setup_link, teardown_link
+
+RESULTS = Path(__file__).resolve().parent / "results"
+# One namespace per node, named per run: runs at the same time on one machine do not collide
+# (the veth devices and addresses live inside the namespaces).
+NS = (f"aiaknode0-{os.getpid()}", f"aiaknode1-{os.getpid()}")
+WORKER = Path(__file__).resolve().parent / "_nodes_worker.py"
+# mode -> aiakrun flags (nothing else switches a feature on)
+MODES: dict[str, list[str]] = {
+    "DDP allreduce": [],
+    "flat": ["--comm-log-steps", "1000000"],  # aiak's allreduce hook, registered to count bytes
+    "hierarchical": ["--hierarchical-allreduce"],
+    "hierarchical+fp16": ["--hierarchical-allreduce", "--fp16-compression"],
+    "powersgd-r1": ["--powersgd", "--rank", "1", "--start-compress-iter", "2"],
+    "powersgd-r4": ["--powersgd", "--rank", "4", "--start-compress-iter", "2"],
+    "dgc-0.001": ["--dgc", "--compress-ratio", "0.001"],
+}
+LOSSLESS = {"DDP allreduce", "flat", "hierarchical"}
+FIELDS = [
+    "timestamp",
+    "host",
+    "device",
+    "nodes",
+    "per_node",
+    "link_mbit",
+    "model",
+    "mode",
+    "step_ms",
+    "vs_flat",
+    "rel_err",
+    "tol",
+    "check",
+    "rel_err_torch_fp16",
+    "intra_bytes_per_step",
+    "inter_bytes_per_step",
+    "link_tx_per_step",
+    "grad_bytes",
+]
+
+
+def remote_shell(tmp: Path, per_node: int, gpus: int) -> str:
+    """A remote shell that enters a node's namespace with that node's devices and NCCL setup."""
+    lines = ["#!/bin/sh", 'node="$1"; shift', 'case "$node" in']
+    for i, (ns, dev) in enumerate(zip(NS, DEV)):
+        env = {
+            "NCCL_HOSTID": f"aiaknode{i}",
+            "NCCL_SOCKET_IFNAME": dev,
+            "GLOO_SOCKET_IFNAME": dev,
+            "NCCL_IB_DISABLE": "1",
+            "NCCL_NVLS_ENABLE": "0",
+            "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+            "NVSHMEM_DISABLE_NVLS": "1",
+        }
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i * per_node + g) for g in range(per_node))
+        exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+        lines.append(f"  {ns}) export {exports} ;;")
+    lines += ['  *) echo "unknown node $node" >&2; exit 2 ;;', "esac"]
+    lines.append('exec ip netns exec "$node" sh -c "$1"')
+    path = tmp / "enter-node.sh"
+    path.write_text("\n".join(lines) + "\n")
+    return f"sh {path} {{host}}"
+
+
+def kill_left(ns: tuple[str, ...]) -> None:
+    """SIGKILL whatever still runs in the namespaces (aiakrun starts each host's launcher in a
+    process group of its own, which a kill of aiakrun's group misses)."""
+    for name in ns:
+        out = subprocess.run(
+            ["ip", "netns", "pids", name], capture_output=True, text=True, timeout=30
+        )
+        for pid in out.stdout.split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+
+
+def run_mode(args, mode: str, shell: str, tmp: Path, port: int) -> list[dict]:
+    out = tmp / f"{mode}.json"
+    hosts = ",".join(f"{ns}={addr}:{args.per_node}" for ns, addr in zip(NS, ADDR))
+    argv = [sys.executable, "-m", "aiak.launch.run", "-H", hosts, "--remote-shell", shell]
+    argv += ["--rdzv-timeout", "120", *MODES[mode], "--", sys.executable, str(WORKER)]
+    argv += ["--models", args.models, "--steps", str(args.steps), "--out", str(out)]
+    # The node's own settings come from its remote shell; none may arrive from here.
+    own = ("CUDA_VISIBLE_DEVICES", "NCCL_HOSTID", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("AIAK_", "PERSEUS_")) and k not in own
+    }
+    env.update(PERSEUS_MASTER_PORT=str(port), OMP_NUM_THREADS="1", GLOO_TIMEOUT_SECONDS="120")
+    log = tmp / f"{mode}.log"
+    with log.open("w") as f:
+        proc = subprocess.Popen(
+            argv, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            code = proc.wait(timeout=args.limit)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+            code = None
+    if code != 0 or not out.exists():
+        tail = log.read_text()[-4000:]
+        why = f"timed out after {args.limit} s" if code is None else f"exit code {code}"
+        raise RuntimeError(f"bench_comm_nodes: mode {mode!r}: aiakrun {why}\n{tail}")
+    rows = json.loads(out.read_text())
+    for r in rows:
+        r["mode"] = mode
+    return rows
+
+
+def check(rows: list[dict]) -> None:
+    """Tolerances: lossless modes 1e-5 (the sum's order differs), fp16 wires torch's fp16 hook's
+    error on the same gradients (or 2e-3, whichever is larger); lossy compressors report only."""
+    for r in rows:
+        if r["mode"] in LOSSLESS:
+            tol = 1e-5
+        elif r["mode"].endswith("fp16"):
+            tol = max(2e-3, 1.01 * r["rel_err_torch_fp16"])
+        else:
+            r["tol"], r["check"] = "", ""
+            continue
+        r["tol"], r["check"] = f"{tol:.1e}", "ok" if r["rel_err"] <= tol else "FAIL"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4.2), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        mine = [r for r in rows if r["model"] == model]
+        ax.barh([r["mode"] for r in mine], [r["step_ms"] for r in mine], color="tab:blue")
+        ax.invert_yaxis()
+        ax.set(
+            xlabel="DDP step (ms, median)", title=f"{model} ({mine[0]['grad_bytes'] / 1e6:.0f} MB)"
+        )
+        ax.grid(True, axis="x", alpha=0.3)
+    r0 = rows[0]
+    link = f"{r0['link_mbit']} Mbit/s tc" if r0["link_mbit"] else "veth, no tc limit"
+    fig.suptitle(
+        f"aiak.comm, {r0['nodes']} nodes x {r0['per_node']} {r0['device']}; between nodes: "
+        f"NCCL sockets over {link}"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _png(nodes: int, per_node: int) -> Path:
+    return RESULTS / f"comm_nodes_{nodes}x{per_node}.png"
+
+
+def latest_rows(nodes: int, per_node: int) -> list[dict]:
+    with (RESULTS / "comm_nodes.csv").open(newline="") as f:
+        rows = [
+            r
+            for r in csv.DictReader(f)
+            if (r["nodes"], r["per_node"]) == (str(nodes), str(per_node))
+        ]
+    if not rows:
+        sys.exit(f"bench_comm_nodes: no {nodes} x {per_node} rows in comm_nodes.csv")
+    rows = [r for r in rows if r["timestamp"] == rows[-1]["timestamp"]]
+    for r in rows:
+        r.update(step_ms=float(r["step_ms"]), grad_bytes=float(r["grad_bytes"]))
+        r["link_mbit"] = int(r["link_mbit"])
+    return rows
+
+
+def write(rows: list[dict]) -> None:
+    path = RESULTS / "comm_nodes.csv"
+    new = not path.exists()
+    with path.open("a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS)
+        if new:
+            w.writeheader()
+        for r in rows:
+            w.writerow({k: r.get(k, "") for k in FIELDS})
+
+
+def _devices() -> tuple[int, str]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0, "CPU ranks (gloo)"
+    return torch.cuda.device_count(), torch.cuda.get_device_name(0)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--per-node", type=int, default=2, help="GPUs (ranks) per node")
+    p.add_argument("--models", default="linear,resnet50")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--rate", type=int, default=0, help="link Mbit/s (tc tbf); 0: no limit")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per model and mode")
+    p.add_argument("--limit", type=float, default=240, help="seconds per mode")
+    p.add_argument("--csv", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--json", default="", help="also write the rows to this file")
+    p.add_argument("--replot", action="store_true", help="plot the CSV's latest run, no runs")
+    args = p.parse_args()
+    nodes = len(NS)
+    if args.replot:
+        plot(latest_rows(nodes, args.per_node), _png(nodes, args.per_node))
+        return 0
+    modes = args.modes.split(",")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        sys.exit(f"bench_comm_nodes: unknown modes {unknown}; choose from {list(MODES)}")
+    if args.per_node < 1:
+        sys.exit("bench_comm_nodes: --per-node must be >= 1")
+    if os.geteuid() != 0:
+        sys.exit("bench_comm_nodes: needs root (ip netns, veth, tc)")
+    gpus, device = _devices()
+    if gpus and gpus < nodes * args.per_node:
+        sys.exit(
+            f"bench_comm_nodes: {nodes} x {args.per_node} ranks need that many GPUs, {gpus} here"
+        )
+    from aiak.launch.flags import FLAGS
+
+    unavailable = {f.option for f in FLAGS if not f.available}
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="aiak_nodes_") as tmp:
+        shell = remote_shell(Path(tmp), args.per_node, gpus)
+        try:
+            setup_link(NS)
+            if args.rate:
+                set_rate(args.rate, NS)
+            for i, mode in enumerate(modes):
+                missing = sorted(unavailable & set(MODES[mode]))
+                if missing:
+                    print(f"{mode}: skipped, aiakrun {missing} not available in this version")
+                    continue
+                t = time.monotonic()
+                rows += run_mode(args, mode, shell, Path(tmp), 29400 + i)
+                print(f"{mode}: {time.monotonic() - t:.0f} s", flush=True)
+        finally:
+            kill_left(NS)
+            teardown_link(NS)
+    if not rows:
+        return 1
+    check(rows)
+    stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    flat = {r["model"]: r["step_ms"] for r in rows if r["mode"] == "flat"}
+    for r in rows:
+        r.update(
+            timestamp=stamp,
+            host=socket.gethostname(),
+            device=device,
+            nodes=nodes,
+            per_node=args.per_node,
+            link_mbit=args.rate,
+        )
+        r["vs_flat"] = round(flat[r["model"]] / r["step_ms"], 3) if r["model"] in flat else ""
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows))
+    if args.csv:
+        write(rows)
+        try:
+            plot(rows, _png(nodes, args.per_node))
+        except ImportError:
+            print("matplotlib is missing: no plot (run again with --replot where it is installed)")
+    cols = [
+        "model",
+        "mode",
+        "step_ms",
+        "vs_flat",
+        "rel_err",
+        "tol",
+        "check",
+        "intra_bytes_per_step",
+        "inter_bytes_per_step",
+        "link_tx_per_step",
+    ]
+    print("  ".join(f"{c:>18}" for c in cols))
+    for r in rows:
+        cells = []
+        for c in cols:
+            v = r.get(c)
+            cells.append(
+                f"{v:>18.4g}" if isinstance(v, float) else f"{'' if v is None else v!s:>18}"
+            )
+        print("  ".join(cells))
+    return 1 if any(r["check"] == "FAIL" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

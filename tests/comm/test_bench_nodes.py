@@ -1,0 +1,46 @@
+"""benchmarks/bench_comm_nodes.py on CPU: 2 "nodes" as network namespaces, every mode one aiakrun
+job with its flags only, gloo ranks; the script's own checks (lossless modes exact to 1e-5)
+decide its exit code, and the bytes it reports agree with each other and the ring formula.
+
+Needs root and iproute2 (``ip netns``); skipped, with the reason, elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_nodes_bench_runs_every_kind_of_mode_on_cpu(tmp_path):
+    if shutil.which("ip") is None:
+        pytest.skip("iproute2's ip is not installed")
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root")
+    out = tmp_path / "rows.json"
+    argv = [sys.executable, str(ROOT / "benchmarks" / "bench_comm_nodes.py"), "--per-node", "1"]
+    argv += ["--models", "tiny", "--modes", "flat,hierarchical+fp16,dgc-0.001", "--steps", "4"]
+    argv += ["--no-csv", "--json", str(out), "--limit", "150"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIAK_", "PERSEUS_"))}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # gloo ranks on CPU even where a GPU exists
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rows = {r["mode"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"flat", "hierarchical+fp16", "dgc-0.001"}
+    flat, fp16, dgc = rows["flat"], rows["hierarchical+fp16"], rows["dgc-0.001"]
+    assert flat["rel_err"] <= 1e-5 and flat["check"] == "ok" and fp16["check"] == "ok"
+    grads = flat["grad_bytes"]  # 3 x Linear(64, 64): 49,920 B
+    # 2 nodes x 1 rank: the ring sends S per rank; the link carries that plus TCP framing
+    assert flat["inter_bytes_per_step"] == 2 * grads and flat["intra_bytes_per_step"] == 0
+    assert 2 * grads <= flat["link_tx_per_step"] < 1.2 * 2 * grads
+    assert fp16["inter_bytes_per_step"] == grads  # half the bytes
+    # DGC: k = 5 of 4096 per weight matrix as (fp32, int64) pairs, the biases dense
+    assert dgc["inter_bytes_per_step"] == 2 * (3 * 5 * 12 + 3 * 64 * 4)
