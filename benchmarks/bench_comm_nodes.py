@@ -301,18 +301,8 @@ def main() -> int:
             plot(rows, _png(nodes, args.per_node))
         except ImportError:
             print("matplotlib is missing: no plot (run again with --replot where it is installed)")
-    cols = [
-        "model",
-        "mode",
-        "step_ms",
-        "vs_flat",
-        "rel_err",
-        "tol",
-        "check",
-        "intra_bytes_per_step",
-        "inter_bytes_per_step",
-        "link_tx_per_step",
-    ]
+    skip = {"rel_err_torch_fp16", "grad_bytes"}
+    cols = [c for c in FIELDS[FIELDS.index("model") :] if c not in skip]
     print("  ".join(f"{c:>18}" for c in cols))
     for r in rows:
         cells = []
