@@ -72,9 +72,10 @@ class _Workspace:
         self.grids = (
             max(1, min(-(-m // (4 * _BLOCK)), 4 * sms)),  # sample_hist: 4 gathers per thread
             max(1, min(-(-m // _BLOCK), 4 * sms)),  # sample_finish
-            min(tiles, 4 * sms),  # count, exact_hist, exact_counts: tiles in a grid stride
+            min(tiles, 4 * sms),  # exact_hist, exact_counts: tiles in a grid stride
             -(-tiles // _WCHUNK),  # write
             min(tiles, _DEFINES["FAST_BLOCKS"] * sms),  # count_fast
+            min(tiles, 3 * sms),  # count_reg, count_search: their launch bounds
         )
         count = "dgc_count_reg" if nthr <= _NREG else "dgc_count_search"
         # resample mode counts the loop's first _NFAST states, then (gated on the device) all
@@ -133,15 +134,15 @@ def launch_select(args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
     loop = (upper, lower, iters, 1 if resample else 0)
     with _cuda.on_device(dev):
         ws = _workspace(dev, n, m, nthr, _capacity(k, tiles), resample)
-        f, geom, (g_hist, g_finish, g_tiles, g_write, g_fast) = ws.fns, ws.geom, ws.grids
+        f, geom, (g_hist, g_finish, g_tiles, g_write, g_fast, g_count) = ws.fns, ws.geom, ws.grids
         sidx = 0 if sample_indices is None else sample_indices.data_ptr()
         f["dgc_sample_hist"](g_hist, _BLOCK, px, sidx, *geom, sample_start, sample_stride, ks)
         f["dgc_sample_finish"](g_finish, _BLOCK, *geom, *loop)
         if ws.fast:  # the loop's first states; all of them only when it needs more
             f["count_fast"](g_fast, _BLOCK, px, *geom, vec, k, *loop)
-            f["count"](g_tiles, _BLOCK, px, *geom, vec, k, *loop, 1)
+            f["count"](g_count, _BLOCK, px, *geom, vec, k, *loop, 1)
         else:
-            f["count"](g_tiles, _BLOCK, px, *geom, vec, k, *loop, 0)
+            f["count"](g_count, _BLOCK, px, *geom, vec, k, *loop, 0)
         if resample and iters > 0:  # exact top-k after a resample stop, gated on the device
             for digit in range(3):
                 f["dgc_exact_hist"](g_tiles, _BLOCK, px, *geom, vec, digit)

@@ -2,19 +2,22 @@
 // Importance = |x| as the int32 bit pattern of a non-negative fp32 (NaN ranks above +inf);
 // -1 marks a lane past the end of x, below every threshold.
 //
-// Launch sequence (ops/dgc_select.py), every step reading what the previous one left in the
-// workspace; a kernel's serial tail runs in its last block (ticket counter), so no kernel is a
-// single thread walking the data:
-//   sample_hist     gather |x| at the sample positions -> compact copy; histogram of bits 30..20;
-//                   last block: the digit holding the ks-th largest sample
+// Launch sequence (ops/_dgc_select_cuda.py), every step reading what the previous one left in
+// the workspace; a serial step runs in the last block to arrive (ticket counter), so no kernel
+// is a single thread walking the data:
+//   sample_hist     gather |x| at the sample positions -> compact copy; histogram of bits
+//                   30..20; last block: the digit holding the ks-th largest sample
 //   sample_finish   histogram of bits 19..9 within that digit, the matching samples listed;
-//                   last block: second digit, bits 8..0 over the short list -> thr0; the table of
-//                   every reachable threshold (by state, sorted, sorted rank)
-//   count           ONE read of x in tiles of 4096 (float4 loads, 16 elements per thread): per
-//                   tile the count at every threshold (registers, one write per tile and
-//                   threshold) and the tile's candidates: the entries at or above the lowest
-//                   threshold whose tile count fits in `cap`, stored in index order;
-//                   last block: totals -> the adaptation loop -> the plan
+//                   last block: second digit, bits 8..0 over the short list -> thr0; the table
+//                   of every reachable threshold (by state, sorted, sorted rank)
+//   count           ONE read of x in tiles of TILE (float4 loads, 4 * ROWS elements per
+//                   thread): per tile the count at every threshold (registers, one write per
+//                   tile and threshold) and the tile's candidates: the entries at or above the
+//                   lowest threshold whose tile count fits in `cap`, stored in index order;
+//                   last block: totals -> the adaptation loop -> the plan. With resample and
+//                   more than NFAST thresholds, dgc_count_fast counts the loop's first NFAST
+//                   states only and flags the plan when the loop needs another; the full count
+//                   follows, gated on that flag.
 //   exact_hist x3   gated on a resample stop: radix select (11, 11, 9 bits) of the k-th largest
 //                   |x|, reading a tile's candidates when they cover the stop threshold, else x
 //   exact_counts    gated: per tile, #(> V) and #(== V)
@@ -27,16 +30,18 @@
 
 #include "mta_common.cuh"
 
-#define TILE 4096  // elements per tile: BLOCK threads x 4 float4
+#define TILE 8192  // elements per tile: BLOCK threads x ROWS float4
+#define ROWS (TILE / (4 * BLOCK))
 #define BLOCK 256
 #define NWARP (BLOCK / WARP)
 #define MAXT 232    // thresholds at most: (20 + 1) * (20 + 2) / 2 = 231
 #define NREG 12     // thresholds kept in registers by dgc_count_reg
 #define NFAST 4     // thresholds dgc_count_fast counts: the largest, the loop's first states
-#define FAST_BLOCKS 6  // resident blocks per SM of dgc_count_fast (40 registers a thread)
+#define FAST_BLOCKS 4  // resident blocks per SM of dgc_count_fast (64 registers a thread)
 #define HBINS 2048  // radix bins (11-bit digits)
-#define WCHUNK 16   // tiles per block of dgc_write, <= 32 (one warp scans them): on 25M elements
-                    // (H100) the write takes 7.9 us at 16, 10.6 at 32, 10.0 at 8, 14.2 at 4
+#define WCHUNK 8    // tiles per block of dgc_write, <= 32 (one warp scans them): on 25M elements
+                    // (H100) with 4096-element tiles the write took 7.9 us at 16 tiles, 10.6
+                    // at 32, 10.0 at 8, 14.2 at 4; 8192-element tiles keep 16 x 4096 a block
 #define FULL 0xffffffffu
 
 // Plan words (int64).
@@ -388,6 +393,8 @@ __device__ void count_body(const float* __restrict__ x, i64* base, i64 n, i64 m,
   __shared__ u32 s_cnt[MAXT];
   __shared__ u64 s_tot[MAXT];
   __shared__ u64 sh[NWARP];
+  __shared__ u64 s_rows[ROWS / 4][NWARP];
+  __shared__ int s_lv;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   for (int j = tid; j < nthr; j += BLOCK) {
     s_sorted[j] = (int)w.sorted[j];
@@ -398,16 +405,20 @@ __device__ void count_body(const float* __restrict__ x, i64* base, i64 n, i64 m,
 #pragma unroll
   for (int j = 0; j < NC; ++j) treg[j] = REG && j0 + j < nthr ? s_sorted[j0 + j] : 0x7fffffff;
 
+  // Neither bytes nor instructions alone bound this loop (Nsight Compute, H100, 25M elements,
+  // 4096-element tiles: DRAM 58% busy, issue slots 57%, 10.9 cycles per issued instruction,
+  // 43% achieved occupancy): it is the latency of load -> count -> block reduction per tile.
+  // 8192-element tiles halve the reductions, scans and barriers per element (dgc_count_fast
+  // 42.9 us against 46.2 at 4096); prefetching the next tile into registers saved 1.5 us at
+  // 4096 and is not done. A whole tile loads without bounds checks, signs are not kept (a
+  // candidate's value is read again from x), and the per-tile counts are reduced two to a
+  // register.
   for (i64 t = blockIdx.x; t < tiles; t += gridDim.x) {
     const i64 lo = t * TILE;
-    // Instructions per element, not bytes, bound this kernel (ncu on the H100, 25M elements:
-    // 33 warp instructions per 32 elements, issue slots 57% busy, DRAM 57%), so a whole tile
-    // loads without bounds checks, signs are not kept (a candidate's value is read again from
-    // x), and the per-tile counts are reduced two to a register.
-    int b[16];
+    int b[4 * ROWS];
     if (vec && lo + TILE <= n) {
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
+      for (int q = 0; q < ROWS; ++q) {
         const Pack<float, 4> pk =
             reinterpret_cast<const Pack<float, 4>*>(x)[(lo >> 2) + q * BLOCK + tid];
 #pragma unroll
@@ -415,7 +426,7 @@ __device__ void count_body(const float* __restrict__ x, i64* base, i64 n, i64 m,
       }
     } else {
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
+      for (int q = 0; q < ROWS; ++q) {
         float v4[4];
         int b4[4];
         load4(x, lo + ((i64)q * BLOCK + tid) * 4, n, vec, v4, b4);
@@ -423,6 +434,7 @@ __device__ void count_body(const float* __restrict__ x, i64* base, i64 n, i64 m,
         for (int r = 0; r < 4; ++r) b[4 * q + r] = b4[r];
       }
     }
+    int lv;
     if (REG) {
       static_assert(NC % 2 == 0, "counts are reduced in pairs");
       int c[NC];
@@ -431,14 +443,14 @@ __device__ void count_body(const float* __restrict__ x, i64* base, i64 n, i64 m,
       // #(b < t) from the sign of b - t, which cannot overflow (b >= -1, 0 <= t < 2^31): a
       // subtract and a shift-add per compare, where a compare-and-count compiles to three
 #pragma unroll
-      for (int e = 0; e < 16; ++e) {
+      for (int e = 0; e < 4 * ROWS; ++e) {
 #pragma unroll
         for (int j = 0; j < NC; ++j) c[j] += (int)(((u32)b[e] - (u32)treg[j]) >> 31);
       }
-      // a warp counts at most 32 * 16 = 512 per threshold: two counts share a 32-bit word
+      // a warp counts at most 32 * 4 * ROWS <= 1024 per threshold: two counts share a word
 #pragma unroll
       for (int j = 0; j < NC; j += 2) {
-        u32 pair = (u32)(16 - c[j]) | ((u32)(16 - c[j + 1]) << 16);
+        u32 pair = (u32)(4 * ROWS - c[j]) | ((u32)(4 * ROWS - c[j + 1]) << 16);
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) pair += __shfl_xor_sync(FULL, pair, o);
         c[j] = (int)(pair & 0xffffu);
@@ -449,19 +461,27 @@ __device__ void count_body(const float* __restrict__ x, i64* base, i64 n, i64 m,
         for (int j = 0; j < NC; ++j) s_warp[warp][j] = (u32)c[j];
       }
       __syncthreads();
-      if (tid >= j0 && tid < nthr) {
+      if (warp == 0) {  // the counted positions [j0, nthr) are at most 21: lanes of warp 0
+        const bool mine = tid >= j0 && tid < nthr;
         u32 s = 0;
+        if (mine) {
 #pragma unroll
-        for (int q = 0; q < NWARP; ++q) s += s_warp[q][tid - j0];
-        s_cnt[tid] = s;
+          for (int q = 0; q < NWARP; ++q) s += s_warp[q][tid - j0];
+          s_cnt[tid] = s;
+        }
+        // candidate level: the lowest counted threshold whose tile count fits in cap (counts
+        // fall as j rises); one ballot instead of a search by every thread
+        const u32 fits = __ballot_sync(FULL, mine && s <= (u32)cap);
+        if (tid == 0) s_lv = fits ? __ffs(fits) - 1 : nthr;
       }
       __syncthreads();
+      lv = s_lv;
     } else {
       for (int j = tid; j <= nthr; j += BLOCK) s_hist[j] = 0;
       __syncthreads();
       const int lowest = s_sorted[0];
 #pragma unroll
-      for (int e = 0; e < 16; ++e) {
+      for (int e = 0; e < 4 * ROWS; ++e) {
         if (b[e] >= lowest) {
           int l = 1, hi = nthr;  // the number of thresholds <= b, in [1, nthr]
           while (l < hi) {
@@ -479,14 +499,15 @@ __device__ void count_body(const float* __restrict__ x, i64* base, i64 n, i64 m,
       const u64 ex = block_scan(hv, &tot, sh);
       if (tid < nthr) s_cnt[nthr - 1 - tid] = (u32)(ex + hv);
       __syncthreads();
-    }
-    // candidate level: the lowest threshold whose count in this tile fits in cap (counts fall
-    // as j rises)
-    int lv = j0, hv2 = nthr;
-    while (lv < hv2) {
-      const int mid = (lv + hv2) >> 1;
-      if (s_cnt[mid] <= (u32)cap) hv2 = mid;
-      else lv = mid + 1;
+      // candidate level: the lowest threshold whose tile count fits in cap (counts fall as j
+      // rises)
+      int hi = nthr;
+      lv = 0;
+      while (lv < hi) {
+        const int mid = (lv + hi) >> 1;
+        if (s_cnt[mid] <= (u32)cap) hi = mid;
+        else lv = mid + 1;
+      }
     }
     const u32 ncand = lv < nthr ? s_cnt[lv] : 0;
     if (tid >= j0 && tid < nthr) {
@@ -496,47 +517,67 @@ __device__ void count_body(const float* __restrict__ x, i64* base, i64 n, i64 m,
     if (tid == 0) w.info[t] = ((u32)lv << 16) | ncand;
     if (ncand > 0) {  // the same in every thread: the scan below synchronises
       const int T = s_sorted[lv];
-      u32 sel = 0;  // bit e: element e of this thread is a candidate
+      u32 sel = 0;  // bit e: element e of this thread is a candidate (4 * ROWS <= 32 bits)
 #pragma unroll
-      for (int e = 0; e < 16; ++e) sel |= (u32)(b[e] >= T) << e;
-      // Positions in index order (row q of the tile, then thread): per row, a scan over the
-      // warp of 8-bit fields (a warp's row holds at most 128 elements), then the warps' totals
-      // in 16-bit fields (a tile holds at most cap <= 1024 candidates), so no field carries.
-      u32 mine = 0;
+      for (int e = 0; e < 4 * ROWS; ++e) sel |= (u32)(b[e] >= T) << e;
+      // Positions in index order (row q of the tile, then thread), rows in groups of four: per
+      // row, a scan over the warp of 8-bit fields (a warp's row holds at most 128 elements),
+      // then the warps' totals in 16-bit fields (a tile holds at most cap <= 1024 candidates),
+      // so no field carries.
+      constexpr int G = ROWS / 4;
+      static_assert(G == 1 || G == 2, "4 or 8 rows a tile");
+      constexpr u64 ONES = 1ull + (1ull << 16) + (1ull << 32) + (1ull << 48);
+      u32 mine[G], incl[G];
 #pragma unroll
-      for (int q = 0; q < 4; ++q) mine |= (u32)__popc(sel & (0xfu << (4 * q))) << (8 * q);
-      u32 incl = mine;
+      for (int g = 0; g < G; ++g) {
+        mine[g] = 0;
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+          mine[g] |= (u32)__popc(sel & (0xfu << (16 * g + 4 * q))) << (8 * q);
+        incl[g] = mine[g];
+      }
 #pragma unroll
       for (int o = 1; o < 32; o <<= 1) {
-        const u32 y = __shfl_up_sync(FULL, incl, o);
-        if (lane >= o) incl += y;
-      }
-      if (lane == 31) sh[warp] = widen(incl);
-      __syncthreads();
-      u64 all = 0, before = 0;
 #pragma unroll
-      for (int v = 0; v < NWARP; ++v) {
-        const u64 wt = sh[v];
-        all += wt;
-        if (v < warp) before += wt;
+        for (int g = 0; g < G; ++g) {
+          const u32 y = __shfl_up_sync(FULL, incl[g], o);
+          if (lane >= o) incl[g] += y;
+        }
       }
-      // field q of `base`: where this thread's candidates of row q start
-      const u64 base =
-          all * ((1ull << 16) + (1ull << 32) + (1ull << 48)) + before + widen(incl - mine);
+      if (lane == 31) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) s_rows[g][warp] = widen(incl[g]);
+      }
+      __syncthreads();
+      // field q of base[g]: where this thread's candidates of row 4g + q start
+      u64 base[G], carry = 0;  // carry: the candidates of the groups before
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        u64 all = 0, before = 0;
+#pragma unroll
+        for (int v = 0; v < NWARP; ++v) {
+          const u64 wt = s_rows[g][v];
+          all += wt;
+          if (v < warp) before += wt;
+        }
+        base[g] = carry * ONES + all * (ONES - 1) + before + widen(incl[g] - mine[g]);
+        carry += (all * ONES) >> 48;  // the top field sums the four
+      }
       float* cv = w.cval + t * cap;
       u16* ci = w.cidx + t * cap;
-      // a loop over the set bits only: a tile's candidates (at most cap: 64 of 4096 at ratio
+      // a loop over the set bits only: a tile's candidates (at most cap: ~64 of 8192 at ratio
       // 0.001) leave most threads none, and an unrolled store predicated off still issues
       for (u32 rest = sel; rest; rest &= rest - 1) {
         const int e = __ffs(rest) - 1, q = e >> 2;
-        const u32 pos = (u32)((base >> (16 * q)) & 0xffffu) +
+        const u64 bg = q >> 2 ? base[G - 1] : base[0];  // a select: an indexed read spills
+        const u32 pos = (u32)((bg >> (16 * (q & 3))) & 0xffffu) +
                         __popc(sel & ((1u << e) - 1u) & (0xfu << (4 * q)));
         const int idx = (q * BLOCK + tid) * 4 + (e & 3);
         cv[pos] = x[lo + idx];
         ci[pos] = (u16)idx;
       }
     }
-    __syncthreads();  // s_cnt, s_warp, s_hist, sh are rewritten by the next tile
+    __syncthreads();  // s_cnt, s_warp, s_hist, s_rows, s_lv are rewritten by the next tile
   }
   for (int j = tid; j < nthr; j += BLOCK)
     if (s_tot[j]) atomicAdd(&w.totals[j], s_tot[j]);
@@ -587,7 +628,7 @@ __device__ void count_body(const float* __restrict__ x, i64* base, i64 n, i64 m,
 
 // nthr <= NREG: thresholds in registers, 12 compares per element. `gate`: return at once
 // unless the fast count flagged P_FULL (the full count after dgc_count_fast).
-extern "C" __global__ void __launch_bounds__(BLOCK, 4)
+extern "C" __global__ void __launch_bounds__(BLOCK, 3)
     dgc_count_reg(const float* __restrict__ x, i64* base, i64 n, i64 m, i64 tiles, int nthr,
                   int cap, int vec, i64 k, double upper, double lower, int iters, int resample,
                   int gate) {
@@ -605,7 +646,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK, FAST_BLOCKS)
 }
 
 // More thresholds (no resample, or more iterations): binary search in shared memory.
-extern "C" __global__ void __launch_bounds__(BLOCK, 4)
+extern "C" __global__ void __launch_bounds__(BLOCK, 3)
     dgc_count_search(const float* __restrict__ x, i64* base, i64 n, i64 m, i64 tiles, int nthr,
                      int cap, int vec, i64 k, double upper, double lower, int iters, int resample,
                      int gate) {
@@ -647,7 +688,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK)
       }
     } else {
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
+      for (int q = 0; q < ROWS; ++q) {
         float v4[4];
         int b4[4];
         load4(x, t * TILE + ((i64)q * BLOCK + threadIdx.x) * 4, n, vec, v4, b4);
@@ -686,7 +727,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK)
       }
     } else {
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
+      for (int q = 0; q < ROWS; ++q) {
         float v4[4];
         int b4[4];
         load4(x, t * TILE + ((i64)q * BLOCK + threadIdx.x) * 4, n, vec, v4, b4);
