@@ -210,14 +210,9 @@ def latest_rows(nodes: int, per_node: int) -> list[dict]:
 
 
 def write(rows: list[dict]) -> None:
-    path = RESULTS / "comm_nodes.csv"
-    new = not path.exists()
-    with path.open("a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS)
-        if new:
-            w.writeheader()
-        for r in rows:
-            w.writerow({k: r.get(k, "") for k in FIELDS})
+    from _harness import append_csv  # imports torch: not needed by --replot
+
+    append_csv("comm_nodes", [{k: r.get(k, "") for k in FIELDS} for r in rows])
 
 
 def _devices() -> tuple[int, str]:
