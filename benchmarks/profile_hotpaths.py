@@ -162,6 +162,32 @@ def l2norm() -> None:
     tab = _mta.cached("multi_tensor_l2norm", [ts])
     show("  _l2norm_launch", lambda: l2._l2norm_launch(tab, len(ts), True))
     show("torch._foreach_norm + stack", lambda: torch.stack(torch._foreach_norm(ts)))
+    bound = aiak.ops.BoundNorm()
+    bound(ts)
+    dev = ts[0].device
+    show("BoundNorm()(ts)", lambda: bound(ts))
+    show("  eager_kernel", lambda: l2.L2NORM_OP.eager_kernel((ts, False)))
+    show("  use_kernel", lambda: l2.use_kernel(l2.CAP, tab.data.device, tab.dtypes))
+    show("  tab.data.device", lambda: tab.data.device)
+    show("  tab.wait", tab.wait)
+    show("  _l2norm_launch(per=False)", lambda: l2._l2norm_launch(tab, len(ts), False))
+    show("  torch.empty((), device=dev)", lambda: torch.empty((), device=dev))
+    show("  tab.scratch", lambda: tab.scratch(1))
+    scratch = tab.scratch(1 + 2 * len(ts) + tab.num_chunks)
+    total = torch.empty((), device=dev)
+    show(
+        "  run_kernel mt_l2norm",
+        lambda: _driver.run_kernel(
+            l2._SOURCE, "mt_l2norm", tab.num_chunks, l2._BLOCK, tab.data, 161, scratch, None, total
+        ),
+    )
+    ptrs = [t.data_ptr() for t in ts]
+    same = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+    if same is not None:
+        idx = list(range(len(ts)))
+        show("  C++ _tensors_data_ptrs_at_indices_equal", lambda: same(ts, ptrs, idx))
+    show("  python: pass()", lambda: None)
+    cprof(lambda: bound(ts), 300)
     cprof(lambda: aiak.ops.multi_tensor_l2norm(ts, True), 300)
     gpu_kernels(lambda: aiak.ops.multi_tensor_l2norm(ts, True))
 

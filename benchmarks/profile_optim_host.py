@@ -90,6 +90,8 @@ def stubbed_launches() -> Iterator[None]:
     mp.set(torch.cuda, "current_device", lambda: 0)
     mp.set(_mta, "build", _cpu_table)
     mp.set(_mta.Table, "wait", lambda self: None)
+    mp.set(torch.cuda, "is_current_stream_capturing", lambda: False)
+    mp.set(_cuda, "raw_stream", lambda device: 0)
     _mta.clear_cache()
     try:
         yield
@@ -116,7 +118,7 @@ def _reasons_as_on_cuda(self: _capability.Capability, device: Any, dtypes: Any =
     return _real_reasons(self, _CUDA0, dtypes)
 
 
-def _cuda_on_cpu(self: _registry.Op, args: tuple) -> Any:
+def _cuda_on_cpu(self: _registry.Op, args: tuple, autograd: bool = True) -> Any:
     """``Op.eager_kernel`` as written, with CPU tensors taking the CUDA branch: the same
     operations, no extra call frame."""
     first = args[0] if args else None
@@ -124,7 +126,12 @@ def _cuda_on_cpu(self: _registry.Op, args: tuple) -> Any:
         first = first[0] if first else None
     if (
         type(first) not in _PLAIN
-        or (self.differentiable and torch.is_grad_enabled() and _any_requires_grad(args))
+        or (
+            autograd
+            and self.differentiable
+            and torch.is_grad_enabled()
+            and _any_requires_grad(args)
+        )
         or torch.compiler.is_compiling()
         or _current_dispatch_mode() is not None
     ):

@@ -43,6 +43,7 @@ class Table:
     ready: torch.cuda.Event  # recorded after the upload, on `stream`
     stream: int
     dtypes: frozenset = frozenset()
+    scratches: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def wait(self) -> None:
         """Order the current stream after the table's upload (only needed across streams).
@@ -55,6 +56,21 @@ class Table:
             return  # the usual case, without building a Stream object (3-5 µs)
         if not torch.cuda.is_current_stream_capturing():
             torch.cuda.current_stream(self.data.device).wait_event(self.ready)
+
+    def scratch(self, words: int) -> torch.Tensor:
+        """A zeroed int64 workspace of ``words`` words for a kernel over this table on the
+        current stream, kept per stream: launches on one stream run in order, so they can
+        share one; kernels that count in it (tickets) set it back to zero when they finish.
+        While a CUDA graph is being captured a fresh one is made (captured with its zeroing),
+        so graphs replayed on other streams never share a workspace."""
+        if torch.cuda.is_current_stream_capturing():
+            return torch.zeros(words, dtype=torch.int64, device=self.data.device)
+        stream = _cuda.raw_stream(self.data.get_device())
+        found = self.scratches.get(stream)
+        if found is None or found.numel() < words:
+            found = torch.zeros(words, dtype=torch.int64, device=self.data.device)
+            self.scratches[stream] = found
+        return found
 
 
 _dtype = operator.attrgetter("dtype")

@@ -57,8 +57,10 @@ class Op:
             increment_version(args[i])
         return out
 
-    def eager_kernel(self, args: tuple) -> Callable[..., Any] | None:
-        """The kernel the fast path calls for ``args``, or None (then the dispatcher)."""
+    def eager_kernel(self, args: tuple, autograd: bool = True) -> Callable[..., Any] | None:
+        """The kernel the fast path calls for ``args``, or None (then the dispatcher).
+        ``autograd=False``: the caller runs the op under ``torch.no_grad()``, so grad mode and
+        requires-grad need no check (a pass over every tensor of a list)."""
         first = args[0] if args else None
         if isinstance(first, (list, tuple)):
             first = first[0] if first else None
@@ -69,7 +71,12 @@ class Op:
             # where the dispatcher would raise a RuntimeError about C++ types.
             return self.reference if _current_dispatch_mode() is None else None
         if (
-            (self.differentiable and torch.is_grad_enabled() and _any_requires_grad(args))
+            (
+                autograd
+                and self.differentiable
+                and torch.is_grad_enabled()
+                and _any_requires_grad(args)
+            )
             or torch.compiler.is_compiling()
             or _current_dispatch_mode() is not None
         ):

@@ -1,9 +1,10 @@
 """``aiak::multi_tensor_l2norm``: the L2 norm of a whole tensor list (and of each tensor), fp32.
 
-Two CUDA launches (``kernels/multi_tensor_l2norm.cu``) over the list's device table
-(``ops/_mta.py``): per-chunk partial sums, then one block per list, in a fixed order (the result
-is deterministic). Differentiable (``register_autograd``). Read top-down: reference, CUDA
-launcher, the op with its fake and autograd formula, the Python convenience.
+One CUDA launch (``kernels/multi_tensor_l2norm.cu``) over the list's device table
+(``ops/_mta.py``): per-chunk partial sums, reduced per tensor and overall by the last blocks to
+finish, in a fixed order (the result is deterministic). Differentiable (``register_autograd``).
+Read top-down: reference, CUDA launcher, the op with its fake and autograd formula, the Python
+convenience.
 """
 
 from __future__ import annotations
@@ -74,21 +75,22 @@ def _l2norm_cuda(
 def _l2norm_launch(tab: _mta.Table, n: int, per_tensor: bool) -> tuple[torch.Tensor, torch.Tensor]:
     device = tab.data.device
     with _cuda.on_device(device):
-        # Two allocations, not three (4 µs each on the H100 machine's host, where the whole
-        # op's GPU time is 42 µs): the total, and [per..., partials...]. The outputs must not
-        # share storage (the schema promises fresh tensors).
+        per = torch.empty(n if per_tensor else 0, dtype=torch.float32, device=device)
+        return _launch(tab, n, per if per_tensor else None), per
+
+
+def _launch(tab: _mta.Table, n: int, per: torch.Tensor | None) -> torch.Tensor:
+    """One launch of ``mt_l2norm`` over ``tab`` (``n`` tensors); fills ``per`` unless None and
+    returns the total. The outputs are separate allocations: the schema promises fresh tensors,
+    and ``BoundNorm`` needs the total alone (one allocation, ~3 µs on the H100 machine's host)."""
+    device = tab.data.device
+    with _cuda.on_device(device):
         total = torch.empty((), dtype=torch.float32, device=device)
-        buf = torch.empty(n + max(tab.num_chunks, 1), dtype=torch.float32, device=device)
-        per, partials = buf[:n] if per_tensor else buf[:0], buf[n:]
-        if tab.num_chunks:
-            _driver.run_kernel(
-                _SOURCE, "mt_l2norm_partial", tab.num_chunks, _BLOCK, tab.data, n, partials
-            )
+        scratch = tab.scratch(1 + 2 * n + (tab.num_chunks + 1) // 2)  # layout in the .cu
         _driver.run_kernel(
-            _SOURCE, "mt_l2norm_finalize", 1, 1024,
-            tab.data, n, partials, per if per_tensor else None, total,
-        )  # fmt: skip
-    return total, per
+            _SOURCE, "mt_l2norm", max(tab.num_chunks, 1), _BLOCK, tab.data, n, scratch, per, total
+        )
+    return total
 
 
 def _l2norm_fake(
@@ -159,6 +161,10 @@ class BoundNorm:
     at once: one C-level pass over the addresses and one over contiguity, instead of the op's
     checks and cache key (about half of its host time on 161 tensors). Anything else runs
     :func:`multi_tensor_l2norm`. The caller makes a new one when its parameter list changes.
+
+    The result is not differentiable: it is computed as under ``torch.no_grad()``, as
+    ``torch.nn.utils.clip_grad_norm_`` computes its norm, so grad mode costs no pass over the
+    gradients' ``requires_grad``. For a norm to backpropagate through, call the op.
     """
 
     __slots__ = ("_ptrs", "_table")
@@ -169,7 +175,7 @@ class BoundNorm:
 
     def __call__(self, grads: list[torch.Tensor]) -> torch.Tensor:
         tab = self._table
-        if tab is not None and L2NORM_OP.eager_kernel((grads, False)) is L2NORM_OP.cuda:
+        if tab is not None and L2NORM_OP.eager_kernel((grads, False), False) is L2NORM_OP.cuda:
             try:
                 same = tuple(map(_data_ptr, grads)) == self._ptrs
             except (RuntimeError, TypeError):  # sparse grads have no address; None
@@ -177,8 +183,9 @@ class BoundNorm:
             usable = same and all(map(_is_contiguous, grads))
             if usable and use_kernel(CAP, tab.data.device, tab.dtypes):
                 tab.wait()
-                return _l2norm_launch(tab, len(grads), False)[0]
-        total, _ = multi_tensor_l2norm(grads)
+                return _launch(tab, len(grads), None)
+        with torch.no_grad():
+            total, _ = multi_tensor_l2norm(grads)
         self._table = None
         if total.is_cuda:
             self._table = _mta.cached("multi_tensor_l2norm", [grads])

@@ -176,23 +176,10 @@ __device__ u64 block_scan(u64 v, u64* total, u64* sh) {
   return ex;
 }
 
-// True in the block that finishes last; its threads then see every other block's global writes.
-// Every thread must call it after its own global writes.
-__device__ bool last_block(i64* plan) {
-  __shared__ int am_last;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const u64 t = atomicAdd(reinterpret_cast<u64*>(plan + P_TICKET), 1ull);
-    am_last = t == (u64)gridDim.x - 1;
-  }
-  __syncthreads();
-  const bool last = am_last;
-  if (last) {
-    __threadfence();
-    if (threadIdx.x == 0) plan[P_TICKET] = 0;
-  }
-  return last;
+// True in the block that finishes last (mta_common.cuh's ticket); every thread calls it after
+// its own global writes.
+__device__ __forceinline__ bool last_block(i64* plan) {
+  return last_to_arrive(reinterpret_cast<u64*>(plan + P_TICKET), gridDim.x);
 }
 
 // Radix step in one block: thread t holds bins [t*PER, t*PER + PER) in c[]. Finds the digit d

@@ -105,3 +105,37 @@ __device__ __forceinline__ F warp_sum(F v) {
   for (int o = WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
+
+// Sum over the block, in a fixed order (bitwise repeatable); the result is in thread 0.
+// `sh` holds one F per warp; the block size is a multiple of WARP.
+template <typename F>
+__device__ __forceinline__ F block_sum(F v, F* sh) {
+  const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+  v = warp_sum(v);
+  __syncthreads();  // `sh` may still be read from an earlier call
+  if (lane == 0) sh[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < (int)(blockDim.x / WARP) ? sh[lane] : (F)0;
+    v = warp_sum(v);
+  }
+  return v;
+}
+
+// True in the block that is the `arrivals`-th to take `ticket` (every block of the group takes
+// it once, after its own global writes); its threads then see the other blocks' global writes
+// (read them through volatile or .cg loads: L1 is not coherent). That block resets the ticket
+// to 0, so a workspace serves every later launch on its stream. All threads of a block call it.
+__device__ bool last_to_arrive(u64* ticket, u64 arrivals) {
+  __shared__ int am_last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) am_last = atomicAdd(ticket, 1ull) == arrivals - 1;
+  __syncthreads();
+  const bool last = am_last;
+  if (last) {
+    __threadfence();
+    if (threadIdx.x == 0) *ticket = 0;
+  }
+  return last;
+}

@@ -4,8 +4,18 @@
 #include "mta_common.cuh"
 
 // ---------------------------------------------------------------------------------------------
-// L2 norm: partial sums of squares per chunk, then one block reduces per tensor and overall.
-// Two passes in a fixed order: the result is deterministic (no atomics).
+// L2 norm in one launch: block c sums the squares of chunk c; the last of a tensor's blocks to
+// finish (a ticket per tensor) sums that tensor's chunk partials, and the last block of the grid
+// sums the tensors'. Every sum runs in a fixed order, so the result is bitwise repeatable: the
+// tickets only elect which block does the work. One launch instead of two saves ~9 us of host
+// time per call (the H100 machine's cuLaunchKernel from Python) on a 42 us op.
+//
+// Scratch, int64 words per (table, stream), zero when allocated (each ticket is reset by the
+// block that takes it last):
+//   [0]               the grid's ticket
+//   [1, 1+T)          tensor t's ticket
+//   [1+T, 1+2T)       tensor t's sum of squares (double)
+//   [1+2T, ...)       chunk c's partial sum of squares (float)
 // ---------------------------------------------------------------------------------------------
 
 template <typename T>
@@ -49,54 +59,53 @@ __device__ float sumsq_range(const T* __restrict__ p, i64 begin, i64 end) {
 }
 
 extern "C" __global__ void __launch_bounds__(512)
-mt_l2norm_partial(const i64* __restrict__ table, int T, float* __restrict__ partials) {
-  __shared__ float warp_sums[512 / WARP];
+mt_l2norm(const i64* __restrict__ table, int T, i64* __restrict__ scratch,
+          float* __restrict__ per_tensor, float* __restrict__ total) {
+  __shared__ float fsh[512 / WARP];
+  __shared__ double dsh[512 / WARP];
+  u64* tickets = reinterpret_cast<u64*>(scratch);
+  double* tsum = reinterpret_cast<double*>(scratch + 1 + T);
+  float* partials = reinterpret_cast<float*>(scratch + 1 + 2 * (i64)T);
+  const i64* first = table + 3 * (i64)T;  // D = 1
   const int c = blockIdx.x;
-  ChunkRef r = chunk_ref(table, 1, T, c);
-  const void* p = reinterpret_cast<const void*>(table[r.tensor]);
-  const int code = (int)table[T + r.tensor];
-  float s;
-  if (code == 0) {
-    s = sumsq_range(static_cast<const float*>(p), r.begin, r.end);
-  } else if (code == 1) {
-    s = sumsq_range(static_cast<const half_t*>(p), r.begin, r.end);
-  } else {
-    s = sumsq_range(static_cast<const bf16_t*>(p), r.begin, r.end);
-  }
-  s = warp_sum(s);
-  const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
-  if (lane == 0) warp_sums[warp] = s;
-  __syncthreads();
-  if (warp == 0) {
-    s = lane < (int)(blockDim.x / WARP) ? warp_sums[lane] : 0.f;
-    s = warp_sum(s);
-    if (lane == 0) partials[c] = s;
-  }
-}
-
-// One block of 1024 threads: warp w sums the chunk partials of tensors w, w+32, ... in float64.
-extern "C" __global__ void __launch_bounds__(1024)
-mt_l2norm_finalize(const i64* __restrict__ table, int T, const float* __restrict__ partials,
-                   float* __restrict__ per_tensor, float* __restrict__ total) {
-  __shared__ double warp_totals[1024 / WARP];
-  const i64* first = table + 2 * T + T;  // D = 1
-  const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
-  const int nwarps = blockDim.x / WARP;
-  double acc = 0.0;
-  for (int t = warp; t < T; t += nwarps) {
-    double s = 0.0;
-    for (i64 k = first[t] + lane; k < first[t + 1]; k += WARP) s += (double)partials[k];
-    s = warp_sum(s);
-    if (lane == 0) {
-      if (per_tensor != nullptr) per_tensor[t] = (float)sqrt(s);
-      acc += s;
+  if (c < first[T]) {  // the grid has one block even when there are no chunks
+    ChunkRef r = chunk_ref(table, 1, T, c);
+    const void* p = reinterpret_cast<const void*>(table[r.tensor]);
+    const int code = (int)table[T + r.tensor];
+    float s;
+    if (code == 0) {
+      s = sumsq_range(static_cast<const float*>(p), r.begin, r.end);
+    } else if (code == 1) {
+      s = sumsq_range(static_cast<const half_t*>(p), r.begin, r.end);
+    } else {
+      s = sumsq_range(static_cast<const bf16_t*>(p), r.begin, r.end);
+    }
+    s = block_sum(s, fsh);
+    if (threadIdx.x == 0) partials[c] = s;
+    const int t = r.tensor;
+    const i64 lo = first[t], hi = first[t + 1];
+    if (last_to_arrive(tickets + 1 + t, (u64)(hi - lo))) {
+      const volatile float* vp = partials;
+      double v = 0.0;
+      for (i64 k = lo + threadIdx.x; k < hi; k += blockDim.x) v += (double)vp[k];
+      v = block_sum(v, dsh);
+      if (threadIdx.x == 0) {
+        tsum[t] = v;
+        if (per_tensor != nullptr) per_tensor[t] = (float)sqrt(v);
+      }
     }
   }
-  if (lane == 0) warp_totals[warp] = acc;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    double s = 0.0;
-    for (int w = 0; w < nwarps; ++w) s += warp_totals[w];
-    *total = (float)sqrt(s);
+  if (last_to_arrive(tickets, gridDim.x)) {
+    const volatile double* vt = tsum;
+    double v = 0.0;
+    for (int t = threadIdx.x; t < T; t += blockDim.x) {
+      if (first[t + 1] > first[t]) {
+        v += vt[t];
+      } else if (per_tensor != nullptr) {
+        per_tensor[t] = 0.f;  // an empty tensor has no chunk, so no block wrote its norm
+      }
+    }
+    v = block_sum(v, dsh);
+    if (threadIdx.x == 0) *total = (float)sqrt(v);
   }
 }

@@ -201,6 +201,41 @@ def test_cuda_l2norm_mixed_dtypes_thousands_and_determinism() -> None:
 
 
 @pytest.mark.cuda
+def test_cuda_one_launch_resets_its_tickets_and_keeps_a_workspace_per_stream() -> None:
+    # The last blocks elect themselves with tickets kept in a per-(table, stream) workspace:
+    # every call must leave them at zero, and two streams must not share one.
+    _mta.clear_cache()
+    ts = _cuda_set([70_000, 3, 0, 200_000, 65_536], torch.float32)
+    for _ in range(5):
+        for t in ts:
+            t.normal_()
+        total, per = aiak.ops.multi_tensor_l2norm(ts, per_tensor=True)
+        sq = _f64_norms(ts)
+        _assert_rel(per, sq.sqrt(), 1e-6)
+        _assert_rel(total.reshape(1), sq.sum().sqrt().reshape(1), 1e-6)
+    tab = _mta.cached("multi_tensor_l2norm", [ts])
+    assert tab is not None and len(tab.scratches) == 1
+    tickets = next(iter(tab.scratches.values()))[: 1 + len(ts)]  # the layout in the .cu
+    assert not tickets.any()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        outs = [aiak.ops.multi_tensor_l2norm(ts)[0] for _ in range(20)]
+    mains = [aiak.ops.multi_tensor_l2norm(ts)[0] for _ in range(20)]
+    torch.cuda.current_stream().wait_stream(side)
+    assert len(tab.scratches) == 2
+    assert all(torch.equal(o, mains[0]) for o in outs + mains)  # bitwise, on both streams
+    _assert_rel(mains[0].reshape(1), _f64_norms(ts).sum().sqrt().reshape(1), 1e-6)
+
+
+@pytest.mark.cuda
+def test_cuda_list_without_elements_runs_one_block() -> None:
+    ts = [torch.empty(0, device="cuda"), torch.empty(0, 3, device="cuda").half()]
+    total, per = aiak.ops.multi_tensor_l2norm(ts, per_tensor=True)
+    assert total.item() == 0.0 and per.tolist() == [0.0, 0.0]
+
+
+@pytest.mark.cuda
 def test_cuda_graph_capture_after_warmup() -> None:
     xs = _cuda_set([1000, 65537], torch.float16)
     dst = [torch.empty_like(x, dtype=torch.float32) for x in xs]
@@ -312,6 +347,17 @@ def _bound_norm_cases(device: str) -> None:
 
 def test_bound_norm_matches_the_op() -> None:
     _bound_norm_cases("cpu")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_bound_norm_is_a_no_grad_norm(device: str) -> None:
+    grads = [torch.randn(5, device=device, requires_grad=True), torch.randn(3, device=device)]
+    norm = aiak.ops.BoundNorm()
+    for _ in range(2):  # the op, then (on CUDA) the kept table
+        total = norm(grads)
+        assert not total.requires_grad and total.grad_fn is None
+        ref = torch.cat([g.detach().double() for g in grads]).norm()
+        _assert_rel(total.reshape(1), ref.reshape(1), 1e-6)
 
 
 @pytest.mark.cuda
