@@ -258,6 +258,34 @@ def test_cuda_graph_capture_after_warmup() -> None:
     _assert_rel(total.reshape(1), ref.reshape(1), 1e-6)
 
 
+def test_table_cache_drops_the_least_recently_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fake_build(lists, device):  # the cache policy alone: no device table
+        return _mta.Table(torch.zeros(1, dtype=torch.int64), 1, len(lists[0]), 0, None, 0)
+
+    monkeypatch.setattr(_mta, "CACHE_SIZE", 3)
+    monkeypatch.setattr(_mta, "build", fake_build)
+    monkeypatch.setattr(_mta.Table, "wait", lambda self: None)
+    _mta.clear_cache()
+    sets = [[torch.ones(i + 1)] for i in range(5)]
+    cpu = torch.device("cpu")
+
+    def hit(i: int) -> _mta.Table | None:
+        return _mta.lookup(_mta.key("t", [sets[i]]))
+
+    try:
+        tabs = [_mta.table([s], cpu, "t") for s in sets[:3]]
+        assert hit(0) is tabs[0]  # set 0 is now the most recently used
+        _mta.table([sets[3]], cpu, "t")  # full: set 1 goes
+        assert hit(1) is None
+        _mta.table([sets[4]], cpu, "t")  # then set 2
+        assert hit(2) is None
+        assert hit(0) is tabs[0] and hit(3) is not None and hit(4) is not None
+        assert _mta.cache_info()["tables"] == 3 and len(_mta._used) == 3
+        assert _mta.table([sets[0]], cpu, "t") is tabs[0]  # a hit does not rebuild
+    finally:
+        _mta.clear_cache()
+
+
 @pytest.mark.cuda
 def test_cuda_table_is_cached_per_tensor_set() -> None:
     _mta.clear_cache()
