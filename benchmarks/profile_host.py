@@ -53,7 +53,7 @@ def profile_set(name: str, shapes: list[tuple[int, ...]]) -> None:
         "  use_kernel": lambda: _capability.use_kernel(l2.CAP, ts[0].device, {torch.float32}),
         "  is_contiguous pass": lambda: all(map(torch.Tensor.is_contiguous, ts)),
         "  get_function + current_stream": lambda: (
-            _cuda.get_function("multi_tensor_l2norm.cu", "mt_l2norm_partial"),
+            _cuda.get_function("multi_tensor_l2norm.cu", "mt_l2norm"),
             _cuda.current_stream(),
         ),
         "torch._foreach_norm + stack": lambda: torch.stack(torch._foreach_norm(ts)),
