@@ -73,10 +73,8 @@ def _l2norm_cuda(
 
 
 def _l2norm_launch(tab: _mta.Table, n: int, per_tensor: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    device = tab.data.device
-    with _cuda.on_device(device):
-        per = torch.empty(n if per_tensor else 0, dtype=torch.float32, device=device)
-        return _launch(tab, n, per if per_tensor else None), per
+    per = torch.empty(n if per_tensor else 0, dtype=torch.float32, device=tab.data.device)
+    return _launch(tab, n, per if per_tensor else None), per
 
 
 def _launch(tab: _mta.Table, n: int, per: torch.Tensor | None) -> torch.Tensor:
