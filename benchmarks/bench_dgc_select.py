@@ -8,7 +8,8 @@ read of the gradient takes at copy bandwidth (copy_bandwidth() counts read + wri
 one read pass of B bytes takes B / bandwidth). Columns: ``*_ms`` are lone calls between CUDA
 events (host launch time included), ``gpu_ms``/``topk_gpu_ms`` the same calls replayed from a
 CUDA graph (GPU time alone), ``launches`` the kernels of one call (torch.profiler),
-``launches_planned`` what the op issues.
+``launches_planned`` what the op issues; ``plain_ms``/``gpu_plain_ms`` the same two with every
+launch plain (no programmatic dependent launch), and the GPU time of each kernel in that mode.
 ``--overlap``: a ResNet-50 step (torchvision, ``--batch`` 32, NCCL world 1), DDP + SGD step after
 backward, against the same step with aiak.comm.overlap_step (steps on aiak's worker thread, the
 default, and inline on DDP's autograd thread); the share of the optimizer's own time (measured
@@ -26,6 +27,7 @@ import torch
 from _harness import append_csv, copy_bandwidth, print_table, time_eager, time_graph
 
 import aiak.ops  # noqa: F401
+from aiak.ops import _driver
 from aiak.ops.dgc_select import dgc_select, launches_per_call
 
 
@@ -44,6 +46,27 @@ def kernel_launches(fn) -> int | None:
         return None
 
 
+def kernel_times(fn, calls: int = 20) -> dict[str, float] | None:
+    """Mean GPU time per kernel name over ``calls`` calls of ``fn`` (torch.profiler), in us."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+    except Exception:
+        return None
+    times: dict[str, float] = {}
+    for e in prof.events():
+        if str(e.device_type).endswith("CUDA"):
+            name = e.name.split("(")[0]
+            times[name] = times.get(name, 0.0) + e.device_time / calls
+    return {k: round(v, 1) for k, v in times.items()}
+
+
 def bench_select(n: int, ratio: float) -> dict:
     g = torch.randn(n, device="cuda")
     k = max(1, math.ceil(n * ratio))
@@ -60,10 +83,20 @@ def bench_select(n: int, ratio: float) -> dict:
     _, topk, _ = time_eager(topk_fn)
     graph = time_graph(ours_fn)  # GPU time alone (no host launch cost)
     graph_topk = time_graph(topk_fn)
+    # the same with every launch plain: what programmatic dependent launches save
+    previous = _driver.programmatic_launches(False)
+    try:
+        _, plain, _ = time_eager(ours_fn)
+        graph_plain = time_graph(ours_fn)
+        per_kernel = kernel_times(ours_fn)
+    finally:
+        _driver.programmatic_launches(previous)
     bw = copy_bandwidth()  # GB/s of read + write
     read_ms = n * 4 / (bw * 1e9) * 1e3  # one read of the gradient at copy bandwidth
     gpu = graph[1] if graph else float("nan")
     gpu_topk = graph_topk[1] if graph_topk else float("nan")
+    gpu_plain = graph_plain[1] if graph_plain else float("nan")
+    print("GPU time per kernel, plain launches (us):", per_kernel)
     return {
         "n": n,
         "k": k,
@@ -76,6 +109,8 @@ def bench_select(n: int, ratio: float) -> dict:
         "read_pass_ms": round(read_ms, 4),
         "x_read_pass": round(ours / read_ms, 2),
         "gpu_x_read_pass": round(gpu / read_ms, 2),
+        "plain_ms": round(plain, 4),
+        "gpu_plain_ms": round(gpu_plain, 4),
         "launches": kernel_launches(ours_fn),  # counted; None when the profiler cannot
         "launches_planned": launches_per_call(True, 10),
     }

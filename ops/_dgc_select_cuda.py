@@ -32,6 +32,11 @@ def _r16(nbytes: int) -> int:
     return (nbytes + 15) & ~15
 
 
+# The plan, histogram and totals: the words a call expects zero (its last blocks leave them so);
+# everything after them is written before it is read.
+_ZEROED_WORDS = (256 + 2048 * 8 + 256 * 8) // 8
+
+
 def _workspace_bytes(m: int, tiles: int, nthr: int, cap: int) -> int:
     """Bytes of the workspace: the layout of ``carve`` in dgc_select.cu."""
     fixed = 256 + 2048 * 8 + 256 * 8 + 3 * 256 * 4  # plan, histogram, totals, 3 tables
@@ -56,7 +61,8 @@ _ARGTYPES = {
 
 
 class _Workspace:
-    """One zeroed buffer, its launch geometry and kernels, for (device, stream, n, m, nthr, cap)."""
+    """One buffer (its first _ZEROED_WORDS zero), its launch geometry and kernels, for (device,
+    stream, n, m, nthr, cap)."""
 
     __slots__ = ("buf", "fast", "fns", "geom", "grids")
 
@@ -66,7 +72,8 @@ class _Workspace:
         tiles = -(-n // _TILE)
         nbytes = _workspace_bytes(m, tiles, nthr, cap)
         # zeroed once: every call leaves its counters, histograms and totals zero again
-        self.buf = torch.zeros(-(-nbytes // 8), dtype=torch.int64, device=dev)
+        self.buf = torch.empty(-(-nbytes // 8), dtype=torch.int64, device=dev)
+        self.buf[:_ZEROED_WORDS].zero_()
         sms = _cuda.num_sms(_cuda.device_index())
         self.geom = (self.buf.data_ptr(), n, m, tiles, nthr, cap)
         self.grids = (
@@ -87,12 +94,16 @@ class _Workspace:
 
 
 def _kernel(name: str) -> _driver.DriverKernel:
-    return _driver.DriverKernel(_cuda.get_function(_SOURCE, name), _ARGTYPES[name])
+    # every launch after the first starts while the one before still runs (dgc_select.cu)
+    fn = _cuda.get_function(_SOURCE, name)
+    return _driver.DriverKernel(fn, _ARGTYPES[name], after_previous=name != "dgc_sample_hist")
 
 
 # Workspaces are kept per (device, stream, n, num_samples, thresholds, capacity): a DGC hook
 # calls the op with the same sizes every step, and two streams never share one (the kernels
 # keep counters in it). At most _WS_KEEP of them; the least recently used is dropped first.
+# A call captured into a CUDA graph gets a workspace of its own, its zeroing captured with it:
+# graphs captured on one stream may be replayed on several at once.
 _WS_KEEP = 64
 _workspaces: OrderedDict[tuple, _Workspace] = OrderedDict()
 _ws_lock = threading.Lock()
@@ -101,6 +112,8 @@ _ws_lock = threading.Lock()
 def _workspace(
     dev: torch.device, n: int, m: int, nthr: int, cap: int, resample: bool
 ) -> _Workspace:
+    if torch.cuda.is_current_stream_capturing():
+        return _Workspace(dev, n, m, nthr, cap, resample)
     key = (dev.index, _cuda.raw_stream(dev.index), n, m, nthr, cap, resample)
     with _ws_lock:
         ws = _workspaces.get(key)

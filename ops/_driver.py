@@ -24,16 +24,58 @@ _U32 = 1 << 32  # cuLaunchKernel's dimensions and shared memory are unsigned 32-
 
 
 @cache
+def _libcuda() -> Any:
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+
+
+@cache
 def _driver() -> Any:
     """libcuda's cuLaunchKernel through ctypes, or None where the library cannot be loaded."""
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-    except OSError:
+    lib = _libcuda()
+    if lib is None:
         return None
     fn = lib.cuLaunchKernel
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
     return fn
+
+
+# cuLaunchKernelEx's CUlaunchConfig (cuda.h): seven unsigned launch numbers, the stream, the
+# attribute array and its length (56 bytes with C's tail padding); CUlaunchAttribute: the id,
+# 4 bytes of padding, a 64-byte value.
+# tests/ops/test_launch_layer.py checks both layouts against cuda.h where it is installed.
+LAUNCH_CONFIG = struct.Struct("@7IQQI4x")
+LAUNCH_ATTRIBUTE = struct.Struct("@i4xi60x")
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+_programmatic = True
+
+
+@cache
+def _driver_ex() -> Any:
+    """libcuda's cuLaunchKernelEx (CUDA 12+), or None."""
+    fn = getattr(_libcuda(), "cuLaunchKernelEx", None)
+    if fn is not None:
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p] * 4
+    return fn
+
+
+@cache
+def _dependent_launch_ok(device: int) -> bool:
+    """Programmatic dependent launch needs sm_90 or later (griddepcontrol) and cuLaunchKernelEx."""
+    return _driver_ex() is not None and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def programmatic_launches(enabled: bool) -> bool:
+    """Turn programmatic dependent launches (``DriverKernel(after_previous=True)``) on or off
+    for the whole process; returns the previous setting. Off, those kernels launch plainly and
+    compute the same: their waits then return at once. For comparisons and as an escape hatch."""
+    global _programmatic
+    previous, _programmatic = _programmatic, bool(enabled)
+    return previous
 
 
 def _numpy_type(ctype: Any) -> Any:
@@ -72,6 +114,11 @@ class DriverKernel:
 
     On the H100 machine's host a CuPy launch costs 9.2 µs plus 0.6 µs per numpy scalar
     argument; this costs 7.8 µs with four arguments, most of it the driver call itself.
+    ``after_previous=True`` makes every launch a programmatic dependent launch on sm_90 and
+    later (cuLaunchKernelEx): the kernel may start while the one before it on the stream still
+    runs, so it must call ``grid_dep_wait()`` (kernels/mta_common.cuh) before it touches memory
+    an earlier kernel writes or reads. A chain of such launches after one plain launch drops the
+    launch gap between its kernels; elsewhere they launch plainly.
     ``argtypes`` are ctypes types matching the kernel's parameters (``c_uint64`` for pointers);
     an int that does not fit its type raises ``ValueError`` instead of wrapping (a float beyond
     float32's range packs as +-inf, C's conversion). Where libcuda
@@ -81,11 +128,22 @@ class DriverKernel:
     for these launches too.
     """
 
-    __slots__ = ("_argtypes", "_codes", "_cupy_fn", "_local", "_offsets", "_pack", "_ptr", "_size")
+    __slots__ = (
+        "_after",
+        "_argtypes",
+        "_codes",
+        "_cupy_fn",
+        "_local",
+        "_offsets",
+        "_pack",
+        "_ptr",
+        "_size",
+    )
 
-    def __init__(self, fn: Any, argtypes: tuple[Any, ...]) -> None:
+    def __init__(self, fn: Any, argtypes: tuple[Any, ...], after_previous: bool = False) -> None:
         self._cupy_fn = fn
         self._argtypes = argtypes
+        self._after = after_previous
         handle = getattr(getattr(fn, "kernel", None), "ptr", None)
         self._ptr = handle if _driver() is not None else None
         self._local = threading.local()
@@ -110,7 +168,7 @@ class DriverKernel:
         slots = getattr(self._local, "slots", None)
         if slots is None:
             slots = self._local.slots = self._new_slots()
-        buf, params = slots
+        buf, params, config = slots
         try:
             self._pack(buf, 0, *values)
         except (struct.error, OverflowError) as exc:
@@ -120,12 +178,18 @@ class DriverKernel:
             stream = _cuda.current_stream()
             self._cupy_fn(dims[:3], dims[3:6], args, shared_mem=dims[6], stream=stream)
             return
-        stream = _cuda.raw_stream(_cuda.device_index())
-        err = _driver()(self._ptr, *dims, stream, params, None)
+        device = _cuda.device_index()
+        stream = _cuda.raw_stream(device)
+        if self._after and _programmatic and _dependent_launch_ok(device):
+            cfg, attr = config
+            LAUNCH_CONFIG.pack_into(cfg, 0, *dims, stream, ctypes.addressof(attr), 1)
+            err = _driver_ex()(cfg, self._ptr, params, None)
+        else:
+            err = _driver()(self._ptr, *dims, stream, params, None)
         if err == _CUDA_ERROR_INVALID_CONTEXT:
             # a thread that has made no CUDA runtime call yet has no current context: binding
             # the device through torch makes the primary context (CuPy's and torch's) current
-            torch.cuda.set_device(_cuda.device_index())
+            torch.cuda.set_device(device)
             err = _driver()(self._ptr, *dims, stream, params, None)
         if err:
             raise RuntimeError(f"aiak: cuLaunchKernel failed with CUDA error {err}")
@@ -142,11 +206,16 @@ class DriverKernel:
                 return ValueError(f"{name}: argument {i} ({value!r}) does not fit {ctype}: {exc}")
         return ValueError(f"{name}: arguments {values!r} do not pack as {self._codes}")
 
-    def _new_slots(self) -> tuple[Any, Any]:
+    def _new_slots(self) -> tuple[Any, Any, Any]:
         buf = ctypes.create_string_buffer(max(self._size, 1))
         base = ctypes.addressof(buf)
         params = (ctypes.c_void_p * len(self._offsets))(*(base + o for o in self._offsets))
-        return buf, params
+        config = None
+        if self._after:
+            attr = ctypes.create_string_buffer(LAUNCH_ATTRIBUTE.size)
+            LAUNCH_ATTRIBUTE.pack_into(attr, 0, _PROGRAMMATIC_STREAM_SERIALIZATION, 1)
+            config = (ctypes.create_string_buffer(LAUNCH_CONFIG.size), attr)
+        return buf, params, config
 
 
 def run_kernel(

@@ -26,7 +26,9 @@
 //                   index order (from the candidates when they cover, else from x); the tail is
 //                   padded here.
 // The workspace is zeroed once when allocated; every counter, histogram and total is reset by
-// the last block that reads it, so a call leaves it clean for the next.
+// the last block that reads it, so a call leaves it clean for the next. Every launch after the
+// first is a programmatic dependent launch (sm_90+, mta_common.cuh): its blocks start while the
+// kernel before still runs and wait for its end, so no launch gap lies between two steps.
 
 #include "mta_common.cuh"
 
@@ -260,6 +262,8 @@ __device__ __forceinline__ int state_index(int a, int b, int iters, int resample
 extern "C" __global__ void __launch_bounds__(BLOCK)
     dgc_sample_hist(const float* __restrict__ x, const i64* __restrict__ sidx, i64* base, i64 n,
                     i64 m, i64 tiles, int nthr, int cap, i64 start, i64 stride, i64 ks) {
+  grid_dep_launch();  // the next kernel's blocks may start now; they wait in grid_dep_wait
+  grid_dep_wait();    // the kernel before has ended: its writes are visible from here on
   const Ws w = carve(base, m, tiles, nthr, cap);
   __shared__ u32 h[HBINS];
   __shared__ u64 sh[NWARP];
@@ -294,6 +298,8 @@ extern "C" __global__ void __launch_bounds__(BLOCK)
 extern "C" __global__ void __launch_bounds__(BLOCK)
     dgc_sample_finish(i64* base, i64 n, i64 m, i64 tiles, int nthr, int cap, double upper,
                       double lower, int iters, int resample) {
+  grid_dep_launch();  // the next kernel's blocks may start now; they wait in grid_dep_wait
+  grid_dep_wait();    // the kernel before has ended: its writes are visible from here on
   const Ws w = carve(base, m, tiles, nthr, cap);
   __shared__ u32 h[HBINS];
   __shared__ u64 sh[NWARP];
@@ -619,6 +625,8 @@ extern "C" __global__ void __launch_bounds__(BLOCK, 3)
     dgc_count_reg(const float* __restrict__ x, i64* base, i64 n, i64 m, i64 tiles, int nthr,
                   int cap, int vec, i64 k, double upper, double lower, int iters, int resample,
                   int gate) {
+  grid_dep_launch();  // the next kernel's blocks may start now; they wait in grid_dep_wait
+  grid_dep_wait();    // the kernel before has ended: its writes are visible from here on
   if (gate && carve(base, m, tiles, nthr, cap).plan[P_FULL] == 0) return;
   count_body<true, NREG>(x, base, n, m, tiles, nthr, cap, vec, k, upper, lower, iters, resample);
 }
@@ -629,6 +637,8 @@ extern "C" __global__ void __launch_bounds__(BLOCK, 3)
 extern "C" __global__ void __launch_bounds__(BLOCK, FAST_BLOCKS)
     dgc_count_fast(const float* __restrict__ x, i64* base, i64 n, i64 m, i64 tiles, int nthr,
                    int cap, int vec, i64 k, double upper, double lower, int iters, int resample) {
+  grid_dep_launch();  // the next kernel's blocks may start now; they wait in grid_dep_wait
+  grid_dep_wait();    // the kernel before has ended: its writes are visible from here on
   count_body<true, NFAST>(x, base, n, m, tiles, nthr, cap, vec, k, upper, lower, iters, resample);
 }
 
@@ -637,6 +647,8 @@ extern "C" __global__ void __launch_bounds__(BLOCK, 3)
     dgc_count_search(const float* __restrict__ x, i64* base, i64 n, i64 m, i64 tiles, int nthr,
                      int cap, int vec, i64 k, double upper, double lower, int iters, int resample,
                      int gate) {
+  grid_dep_launch();  // the next kernel's blocks may start now; they wait in grid_dep_wait
+  grid_dep_wait();    // the kernel before has ended: its writes are visible from here on
   if (gate && carve(base, m, tiles, nthr, cap).plan[P_FULL] == 0) return;
   count_body<false, NREG>(x, base, n, m, tiles, nthr, cap, vec, k, upper, lower, iters,
                           resample);
@@ -652,6 +664,8 @@ __device__ __forceinline__ bool covered(u32 info, int level) { return (int)(info
 extern "C" __global__ void __launch_bounds__(BLOCK)
     dgc_exact_hist(const float* __restrict__ x, i64* base, i64 n, i64 m, i64 tiles, int nthr,
                    int cap, int vec, int pass) {
+  grid_dep_launch();  // the next kernel's blocks may start now; they wait in grid_dep_wait
+  grid_dep_wait();    // the kernel before has ended: its writes are visible from here on
   const Ws w = carve(base, m, tiles, nthr, cap);
   if (w.plan[P_EXACT] == 0) return;
   __shared__ u32 h[HBINS];
@@ -698,6 +712,8 @@ extern "C" __global__ void __launch_bounds__(BLOCK)
 extern "C" __global__ void __launch_bounds__(BLOCK)
     dgc_exact_counts(const float* __restrict__ x, i64* base, i64 n, i64 m, i64 tiles, int nthr,
                      int cap, int vec) {
+  grid_dep_launch();  // the next kernel's blocks may start now; they wait in grid_dep_wait
+  grid_dep_wait();    // the kernel before has ended: its writes are visible from here on
   const Ws w = carve(base, m, tiles, nthr, cap);
   if (w.plan[P_EXACT] == 0) return;
   __shared__ u64 sh[NWARP];
@@ -776,6 +792,8 @@ __device__ __forceinline__ void emit(const int (&b)[R], const float (&v)[R], con
 extern "C" __global__ void __launch_bounds__(BLOCK)
     dgc_write(const float* __restrict__ x, i64* base, i64 n, i64 m, i64 tiles, int nthr, int cap,
               int vec, i64 k, float* __restrict__ values, i64* __restrict__ indices) {
+  grid_dep_launch();  // the next kernel's blocks may start now; they wait in grid_dep_wait
+  grid_dep_wait();    // the kernel before has ended: its writes are visible from here on
   const Ws w = carve(base, m, tiles, nthr, cap);
   __shared__ u64 sh[NWARP];
   __shared__ i64 s_off[WCHUNK], s_eqb[WCHUNK];

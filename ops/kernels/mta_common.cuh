@@ -139,3 +139,21 @@ __device__ bool last_to_arrive(u64* ticket, u64 arrivals) {
   }
   return last;
 }
+
+// Programmatic dependent launch (sm_90 and later): a kernel the host launches with
+// DriverKernel(..., after_previous=True) may start while the kernel before it on the stream
+// still runs. grid_dep_wait() returns once that kernel has ended and its writes are visible, so
+// such a kernel calls it before it touches memory an earlier kernel writes or reads.
+// grid_dep_launch() lets the next such kernel start early (its blocks wait in grid_dep_wait).
+// Both do nothing for a plain launch or before sm_90.
+__device__ __forceinline__ void grid_dep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void grid_dep_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}

@@ -164,3 +164,63 @@ def test_cuda_kernel_thr0_too_high_walks_down_past_the_fast_count(iters, outlier
     sidx = torch.zeros(4000, dtype=torch.int64)
     _check(x, 400, 4000, 0, 1, 1.3, 0.8, iters, True, device="cuda", sidx=sidx)
     _check(x, 400, 4000, 0, 1, 1.3, 0.8, iters, False, device="cuda", sidx=sidx)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("programmatic", [True, False])
+def test_cuda_calls_back_to_back_between_torch_kernels(programmatic) -> None:
+    """Each launch after the first may start before the one before it ends (sm_90+): torch
+    kernels that rewrite x right before and right after every call must not leak into it."""
+    from aiak.ops import _driver
+
+    data = [_data(300_007, kind, 3) for kind in ("heavy", "ties", "normal")]
+    want = [select_f64(d.numpy(), 300, 3000, 1, 100, 1.3, 0.8, 10, True) for d in data]
+    dev = [d.cuda() for d in data]
+    x = torch.empty_like(dev[0])
+    previous = _driver.programmatic_launches(programmatic)
+    try:
+        got = []
+        for r in range(12):
+            x.copy_(dev[r % 3])
+            v, i = dgc_select(x, 300, 3000, 1, 100, None, 1.3, 0.8, 10, True)
+            x.neg_()  # a plain launch right after: it must wait for every kernel of the call
+            got.append((v, i))
+    finally:
+        _driver.programmatic_launches(previous)
+    for r, (v, i) in enumerate(got):
+        ev, ei = want[r % 3]
+        np.testing.assert_array_equal(i.cpu().numpy(), ei)
+        np.testing.assert_array_equal(v.double().cpu().numpy(), ev)
+
+
+@pytest.mark.cuda
+def test_cuda_graphs_captured_on_one_stream_replay_on_two_at_once() -> None:
+    """Two graphs captured on torch's shared capture stream, with the same sizes, get a
+    workspace each (none from the per-stream cache), so they replay on two streams at once."""
+    from aiak.ops import _dgc_select_cuda
+
+    data = [_data(400_009, kind, 5) for kind in ("heavy", "normal")]
+    want = [select_f64(d.numpy(), 400, 4000, 0, 100, 1.3, 0.8, 10, True) for d in data]
+    xs = [d.cuda() for d in data]
+    for x in xs:  # warm-up outside capture: compiles and caches the eager workspace
+        dgc_select(x, 400, 4000, 0, 100, None, 1.3, 0.8, 10, True)
+    torch.cuda.synchronize()
+    cached = len(_dgc_select_cuda._workspaces)
+    graphs, outs = [], []
+    for x in xs:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            outs.append(dgc_select(x, 400, 4000, 0, 100, None, 1.3, 0.8, 10, True))
+        graphs.append(g)
+    assert len(_dgc_select_cuda._workspaces) == cached
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    for _ in range(20):
+        for g, s in zip(graphs, streams):
+            with torch.cuda.stream(s):
+                g.replay()
+    torch.cuda.synchronize()
+    for (v, i), (ev, ei) in zip(outs, want):
+        np.testing.assert_array_equal(i.cpu().numpy(), ei)
+        np.testing.assert_array_equal(v.double().cpu().numpy(), ev)

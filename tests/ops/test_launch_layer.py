@@ -164,6 +164,85 @@ def test_driver_kernel_passes_grid_block_and_shared_memory(
     assert fn.calls == []
 
 
+def test_after_previous_launches_through_cu_launch_kernel_ex(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import ctypes
+
+    plain = _recording_driver(monkeypatch)
+    ex: list[tuple] = []
+
+    def cu_launch_kernel_ex(config, ptr, params, extra) -> int:
+        *dims, stream, attrs, nattrs = _driver.LAUNCH_CONFIG.unpack_from(config)
+        attr = _driver.LAUNCH_ATTRIBUTE.unpack(
+            ctypes.string_at(attrs, _driver.LAUNCH_ATTRIBUTE.size)
+        )
+        ex.append((ptr, tuple(dims), stream, nattrs, attr, len(params)))
+        return 0
+
+    monkeypatch.setattr(_driver, "_driver_ex", lambda: cu_launch_kernel_ex)
+    monkeypatch.setattr(_driver, "_dependent_launch_ok", lambda device: True)
+    fn = _StandIn()
+    fn.kernel = types.SimpleNamespace(ptr=0xABC)
+    after = _driver.DriverKernel(fn, (ctypes.c_uint64,), after_previous=True)
+    first = _driver.DriverKernel(fn, (ctypes.c_uint64,))
+    first(2, 64, 1)
+    after(3, 128, 1)
+    after((3, 2), 32, 1, shared_mem=4096)
+    # attribute 6 (programmatic stream serialization) set to 1, on torch's stream
+    assert ex == [
+        (0xABC, (3, 1, 1, 128, 1, 1, 0), 77, 1, (6, 1), 1),
+        (0xABC, (3, 2, 1, 32, 1, 1, 4096), 77, 1, (6, 1), 1),
+    ]
+    assert plain == [(0xABC, (2, 1, 1), (64, 1, 1), 0, 77, 1)]
+    try:
+        assert _driver.programmatic_launches(False) is True
+        after(4, 32, 1)  # switched off: a plain launch
+    finally:
+        assert _driver.programmatic_launches(True) is False
+    assert len(ex) == 2 and plain[-1] == (0xABC, (4, 1, 1), (32, 1, 1), 0, 77, 1)
+
+
+def test_launch_config_layouts_match_cuda_h(tmp_path) -> None:
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    include = Path("/usr/local/cuda/include")
+    gcc = shutil.which("gcc")
+    if gcc is None or not (include / "cuda.h").exists():
+        pytest.skip("gcc and cuda.h are needed to read the layouts")
+    src = tmp_path / "layout.c"
+    src.write_text(
+        "#include <cuda.h>\n#include <stddef.h>\n#include <stdio.h>\n"
+        'int main(void) { printf("%zu %zu %zu %zu %zu %zu %zu %d", sizeof(CUlaunchConfig),'
+        " offsetof(CUlaunchConfig, hStream), offsetof(CUlaunchConfig, attrs),"
+        " offsetof(CUlaunchConfig, numAttrs), sizeof(CUlaunchAttribute),"
+        " offsetof(CUlaunchAttribute, value), offsetof(CUlaunchAttribute, id),"
+        " (int)CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION); return 0; }\n"
+    )
+    exe = tmp_path / "layout"
+    subprocess.run([gcc, f"-I{include}", str(src), "-o", str(exe)], check=True, timeout=120)
+    got = [
+        int(v)
+        for v in subprocess.run(
+            [str(exe)], capture_output=True, text=True, check=True, timeout=60
+        ).stdout.split()
+    ]
+    cfg, attr = _driver.LAUNCH_CONFIG, _driver.LAUNCH_ATTRIBUTE
+    # ours: 7 launch numbers, then the stream, the attribute array and its length
+    assert got == [
+        cfg.size,
+        28 + 4,
+        40,
+        48,
+        attr.size,
+        8,
+        0,
+        _driver._PROGRAMMATIC_STREAM_SERIALIZATION,
+    ]
+
+
 @pytest.mark.parametrize(
     ("grid", "block", "shared_mem", "exc", "match"),
     [
@@ -226,7 +305,7 @@ def test_a_float_beyond_float32_packs_as_inf(monkeypatch: pytest.MonkeyPatch) ->
     fn.kernel = types.SimpleNamespace(ptr=1)
     k = _driver.DriverKernel(fn, (ctypes.c_float, ctypes.c_double))
     k(1, 1, -1e39, 1e300)
-    buf, _ = k._local.slots
+    buf = k._local.slots[0]
     assert struct.unpack_from("@fd", buf) == (float("-inf"), 1e300)
 
 
