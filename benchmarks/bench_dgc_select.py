@@ -8,8 +8,10 @@ read of the gradient takes at copy bandwidth (copy_bandwidth() counts read + wri
 one read pass of B bytes takes B / bandwidth). Columns: ``*_ms`` are lone calls between CUDA
 events (host launch time included), ``gpu_ms``/``topk_gpu_ms`` the same calls replayed from a
 CUDA graph (GPU time alone), ``launches`` the kernels of one call (torch.profiler),
-``launches_planned`` what the op issues; ``plain_ms``/``gpu_plain_ms`` the same two with every
-launch plain (no programmatic dependent launch), and the GPU time of each kernel in that mode.
+``launches_planned`` what the op issues; ``sum_gpu_ms`` the GPU time of ``torch.sum(g)``, one
+read of the gradient by torch's own reduction (what a read pass takes in practice);
+``plain_ms``/``gpu_plain_ms`` the same two with every launch plain (no programmatic dependent
+launch), and the GPU time of each kernel in that mode.
 ``--overlap``: a ResNet-50 step (torchvision, ``--batch`` 32, NCCL world 1), DDP + SGD step after
 backward, against the same step with aiak.comm.overlap_step (steps on aiak's worker thread, the
 default, and inline on DDP's autograd thread); the share of the optimizer's own time (measured
@@ -83,6 +85,7 @@ def bench_select(n: int, ratio: float) -> dict:
     _, topk, _ = time_eager(topk_fn)
     graph = time_graph(ours_fn)  # GPU time alone (no host launch cost)
     graph_topk = time_graph(topk_fn)
+    graph_sum = time_graph(lambda: torch.sum(g))  # one read of g by torch's own reduction
     # the same with every launch plain: what programmatic dependent launches save
     previous = _driver.programmatic_launches(False)
     try:
@@ -96,6 +99,7 @@ def bench_select(n: int, ratio: float) -> dict:
     gpu = graph[1] if graph else float("nan")
     gpu_topk = graph_topk[1] if graph_topk else float("nan")
     gpu_plain = graph_plain[1] if graph_plain else float("nan")
+    gpu_sum = graph_sum[1] if graph_sum else float("nan")
     print("GPU time per kernel, plain launches (us):", per_kernel)
     return {
         "n": n,
@@ -109,6 +113,7 @@ def bench_select(n: int, ratio: float) -> dict:
         "read_pass_ms": round(read_ms, 4),
         "x_read_pass": round(ours / read_ms, 2),
         "gpu_x_read_pass": round(gpu / read_ms, 2),
+        "sum_gpu_ms": round(gpu_sum, 4),
         "plain_ms": round(plain, 4),
         "gpu_plain_ms": round(gpu_plain, 4),
         "launches": kernel_launches(ours_fn),  # counted; None when the profiler cannot

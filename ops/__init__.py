@@ -6,7 +6,7 @@ launcher, the declaration), ``ops/kernels/<op>.cu``, ``tests/ops/test_<op>.py``,
 ``multi_tensor_l2norm``, ``multi_tensor_scale_``, ``cast_scale_``. Shared pieces, one module
 each: ``_registry`` (declaring an op, its eager fast path, argument records made from the
 schema), ``_capability`` (what a kernel supports, input checks), ``_cuda`` (compilation,
-streams, the device), ``_driver`` (every kernel launch: ``cuLaunchKernel`` through ctypes),
+streams, the device), ``_driver`` (every kernel launch: ``cuLaunchKernelEx`` through ctypes),
 ``_mta`` (multi-tensor device tables and the one host cache), ``_fused`` (what the fused
 optimizer ops share, and bound steps).
 

@@ -229,6 +229,7 @@ def recorder(monkeypatch: pytest.MonkeyPatch) -> Recorder:
 
     monkeypatch.setattr(_driver.DriverKernel, "__call__", call)
     monkeypatch.setattr(_driver, "_driver", lambda: rec.cu_launch_kernel)
+    monkeypatch.setattr(_driver, "_driver_ex", lambda: None)
     monkeypatch.setattr(_driver, "_launchers", {})  # stand-ins never reach the real cache
     monkeypatch.setattr(_cuda, "get_function", rec.get_function)
     monkeypatch.setattr(_cuda, "device_index", lambda: 0)

@@ -139,6 +139,7 @@ def _recording_driver(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
         return 0
 
     monkeypatch.setattr(_driver, "_driver", lambda: cu_launch_kernel)
+    monkeypatch.setattr(_driver, "_driver_ex", lambda: None)  # a driver without it
     monkeypatch.setattr(_cuda, "device_index", lambda: 0)
     monkeypatch.setattr(_cuda, "raw_stream", lambda device: 77)
     return seen
@@ -174,9 +175,10 @@ def test_after_previous_launches_through_cu_launch_kernel_ex(
 
     def cu_launch_kernel_ex(config, ptr, params, extra) -> int:
         *dims, stream, attrs, nattrs = _driver.LAUNCH_CONFIG.unpack_from(config)
-        attr = _driver.LAUNCH_ATTRIBUTE.unpack(
-            ctypes.string_at(attrs, _driver.LAUNCH_ATTRIBUTE.size)
-        )
+        attr = ()
+        if nattrs:
+            raw = ctypes.string_at(attrs, _driver.LAUNCH_ATTRIBUTE.size)
+            attr = _driver.LAUNCH_ATTRIBUTE.unpack(raw)
         ex.append((ptr, tuple(dims), stream, nattrs, attr, len(params)))
         return 0
 
@@ -189,18 +191,23 @@ def test_after_previous_launches_through_cu_launch_kernel_ex(
     first(2, 64, 1)
     after(3, 128, 1)
     after((3, 2), 32, 1, shared_mem=4096)
-    # attribute 6 (programmatic stream serialization) set to 1, on torch's stream
+    # every launch goes through cuLaunchKernelEx on torch's stream; the dependent ones carry
+    # attribute 6 (programmatic stream serialization) set to 1
     assert ex == [
+        (0xABC, (2, 1, 1, 64, 1, 1, 0), 77, 0, (), 1),
         (0xABC, (3, 1, 1, 128, 1, 1, 0), 77, 1, (6, 1), 1),
         (0xABC, (3, 2, 1, 32, 1, 1, 4096), 77, 1, (6, 1), 1),
     ]
-    assert plain == [(0xABC, (2, 1, 1), (64, 1, 1), 0, 77, 1)]
     try:
         assert _driver.programmatic_launches(False) is True
         after(4, 32, 1)  # switched off: a plain launch
     finally:
         assert _driver.programmatic_launches(True) is False
-    assert len(ex) == 2 and plain[-1] == (0xABC, (4, 1, 1), (32, 1, 1), 0, 77, 1)
+    assert ex[-1] == (0xABC, (4, 1, 1, 32, 1, 1, 0), 77, 0, (), 1)
+    monkeypatch.setattr(_driver, "_dependent_launch_ok", lambda device: False)  # before sm_90
+    after(5, 32, 1)
+    assert ex[-1] == (0xABC, (5, 1, 1, 32, 1, 1, 0), 77, 0, (), 1)
+    assert plain == []
 
 
 def test_launch_config_layouts_match_cuda_h(tmp_path) -> None:
