@@ -21,6 +21,9 @@ from aiak.amp._scaler import LossScalePolicy, check_int
 __all__ = ["decorate"]
 
 T = TypeVar("T")
+# decorate keeps one loss scaler per loss from the start: a bound keeps a mistyped count from
+# filling memory with scalers (apex's users pass 1 to 3)
+MAX_LOSSES = 1024
 
 
 def _as_list(obj: T | Sequence[T]) -> tuple[list[T], bool]:
@@ -132,7 +135,7 @@ def decorate(
     kernel (on CPU: ``torch.cdist``, ``avg_pool3d``, ``stft``, ...); the autocast dtype should
     then be ``dtype`` (else half ops mix fp16 and bf16). Each optimizer trains fp32 master
     copies instead of the half params and writes them back after every step.
-    ``loss_scale`` None/"dynamic" or a number (static); ``num_losses`` scales for
+    ``loss_scale`` None/"dynamic" or a number (static); ``num_losses`` (1 to 1024) scales for
     :func:`scale_loss`; a native GradScaler follows the same policy when :func:`aiak.amp.install`
     is active or when it is an :class:`aiak.amp.GradScaler`. Call before wrapping in DDP.
     """
@@ -150,7 +153,7 @@ def decorate(
     ):
         if not isinstance(flag, bool):
             raise TypeError(f"aiak.amp.decorate: {name} must be a bool, got {type(flag).__name__}")
-    check_int("aiak.amp.decorate", "num_losses", num_losses, 1)
+    check_int("aiak.amp.decorate", "num_losses", num_losses, 1, MAX_LOSSES)
     if not model_list:
         raise ValueError("aiak.amp.decorate: models must hold at least one model")
     if not opt_list:

@@ -97,6 +97,8 @@ def test_decorate_argument_garbage(name: str, value: Any) -> None:
         ({"num_losses": 0}, "num_losses"),
         ({"num_losses": 1.5}, "num_losses"),
         ({"num_losses": True}, "num_losses"),
+        ({"num_losses": 1025}, "num_losses"),  # one scaler per loss: a bound, not 2**31 of them
+        ({"num_losses": 2**62}, "num_losses"),
         ({"min_loss_scale": 2.0**20, "max_loss_scale": 2.0**10}, "min_loss_scale"),
         ({"min_loss_scale": -1.0}, "min_loss_scale"),
         ({"min_loss_scale": "1"}, "min_loss_scale"),
