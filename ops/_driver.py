@@ -123,8 +123,8 @@ class DriverKernel:
     ``after_previous=True`` makes every launch a programmatic dependent launch on sm_90 and
     later (cuLaunchKernelEx): the kernel may start while the one before it on the stream still
     runs, so it must call ``grid_dep_wait()`` (kernels/mta_common.cuh) before it touches memory
-    an earlier kernel writes or reads. A chain of such launches after one plain launch drops the
-    launch gap between its kernels; elsewhere they launch plainly.
+    an earlier kernel writes or reads. A chain of such launches after one plain launch hides
+    most of the launch gap between its kernels; elsewhere they launch plainly.
     ``argtypes`` are ctypes types matching the kernel's parameters (``c_uint64`` for pointers);
     an int that does not fit its type raises ``ValueError`` instead of wrapping (a float beyond
     float32's range packs as +-inf, C's conversion). Where libcuda

@@ -28,7 +28,7 @@
 // The workspace is zeroed once when allocated; every counter, histogram and total is reset by
 // the last block that reads it, so a call leaves it clean for the next. Every launch after the
 // first is a programmatic dependent launch (sm_90+, mta_common.cuh): its blocks start while the
-// kernel before still runs and wait for its end, so no launch gap lies between two steps.
+// kernel before still runs and wait for its end, hiding most of the gap between two steps.
 
 #include "mta_common.cuh"
 
