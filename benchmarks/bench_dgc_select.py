@@ -33,23 +33,9 @@ from aiak.ops import _driver
 from aiak.ops.dgc_select import dgc_select, launches_per_call
 
 
-def kernel_launches(fn) -> int | None:
-    """GPU kernels one call of ``fn`` runs, counted by torch.profiler (None if it cannot)."""
-    try:
-        from torch.profiler import ProfilerActivity, profile
-
-        fn()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            fn()
-            torch.cuda.synchronize()
-        return sum(1 for e in prof.events() if str(e.device_type).endswith("CUDA"))
-    except Exception:
-        return None
-
-
-def kernel_times(fn, calls: int = 20) -> dict[str, float] | None:
-    """Mean GPU time per kernel name over ``calls`` calls of ``fn`` (torch.profiler), in us."""
+def kernel_events(fn, calls: int = 1) -> list | None:
+    """The GPU kernels ``calls`` calls of ``fn`` run, as torch.profiler events (None if it
+    cannot profile)."""
     try:
         from torch.profiler import ProfilerActivity, profile
 
@@ -59,13 +45,26 @@ def kernel_times(fn, calls: int = 20) -> dict[str, float] | None:
             for _ in range(calls):
                 fn()
             torch.cuda.synchronize()
+        return [e for e in prof.events() if str(e.device_type).endswith("CUDA")]
     except Exception:
         return None
+
+
+def kernel_launches(fn) -> int | None:
+    """GPU kernels one call of ``fn`` runs, counted by torch.profiler (None if it cannot)."""
+    events = kernel_events(fn)
+    return None if events is None else len(events)
+
+
+def kernel_times(fn, calls: int = 20) -> dict[str, float] | None:
+    """Mean GPU time per kernel name over ``calls`` calls of ``fn`` (torch.profiler), in us."""
+    events = kernel_events(fn, calls)
+    if events is None:
+        return None
     times: dict[str, float] = {}
-    for e in prof.events():
-        if str(e.device_type).endswith("CUDA"):
-            name = e.name.split("(")[0]
-            times[name] = times.get(name, 0.0) + e.device_time / calls
+    for e in events:
+        name = e.name.split("(")[0]
+        times[name] = times.get(name, 0.0) + e.device_time / calls
     return {k: round(v, 1) for k, v in times.items()}
 
 

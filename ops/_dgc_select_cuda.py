@@ -32,14 +32,14 @@ def _r16(nbytes: int) -> int:
     return (nbytes + 15) & ~15
 
 
-# The plan, histogram and totals: the words a call expects zero (its last blocks leave them so);
+# The plan, histogram and totals: the bytes a call expects zero (its last blocks leave them so);
 # everything after them is written before it is read.
-_ZEROED_WORDS = (256 + 2048 * 8 + 256 * 8) // 8
+_ZEROED_BYTES = 256 + 2048 * 8 + 256 * 8
 
 
 def _workspace_bytes(m: int, tiles: int, nthr: int, cap: int) -> int:
     """Bytes of the workspace: the layout of ``carve`` in dgc_select.cu."""
-    fixed = 256 + 2048 * 8 + 256 * 8 + 3 * 256 * 4  # plan, histogram, totals, 3 tables
+    fixed = _ZEROED_BYTES + 3 * 256 * 4  # plan, histogram, totals, 3 tables
     per = 2 * _r16(4 * m) + _r16(4 * nthr * tiles) + 3 * _r16(4 * tiles)
     return fixed + per + _r16(4 * tiles * cap) + _r16(2 * tiles * cap)
 
@@ -61,7 +61,7 @@ _ARGTYPES = {
 
 
 class _Workspace:
-    """One buffer (its first _ZEROED_WORDS zero), its launch geometry and kernels, for (device,
+    """One buffer (its first _ZEROED_BYTES zero), its launch geometry and kernels, for (device,
     stream, n, m, nthr, cap)."""
 
     __slots__ = ("buf", "fast", "fns", "geom", "grids")
@@ -73,7 +73,7 @@ class _Workspace:
         nbytes = _workspace_bytes(m, tiles, nthr, cap)
         # zeroed once: every call leaves its counters, histograms and totals zero again
         self.buf = torch.empty(-(-nbytes // 8), dtype=torch.int64, device=dev)
-        self.buf[:_ZEROED_WORDS].zero_()
+        self.buf[: _ZEROED_BYTES // 8].zero_()
         sms = _cuda.num_sms(_cuda.device_index())
         self.geom = (self.buf.data_ptr(), n, m, tiles, nthr, cap)
         self.grids = (
