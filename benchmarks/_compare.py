@@ -25,6 +25,7 @@ import torch
 from _harness import append_csv, copy_bandwidth, print_table, time_pipelined
 
 from aiak.conformance.shapes import BERT_LARGE, RESNET50
+from aiak.ops import _host
 
 SETS = {"resnet": RESNET50, "bert": BERT_LARGE}
 
@@ -91,18 +92,26 @@ def run(
         shapes = SETS[set_name]
         ours: dict[str, float] = {}
         for op, nbytes, label, fn in cases(set_name, shapes):
-            r = measure(fn)
-            ours.setdefault(op, r["ms"])
-            rows.append(
-                {
-                    "set": f"{set_name}[{len(shapes)}]",
-                    "op": op,
-                    "impl": label,
-                    **r,
-                    "pct_copy": 100 * nbytes / (r["gpu_ms"] * 1e-3) / 1e9 / copy_gbs,
-                    "vs_aiak": r["ms"] / ours[op],
-                }
-            )
+            # aiak's rows again on the Python host path (ops/_host.py), in the same run: what
+            # the compiled per-tensor reads save
+            twin = label.startswith("aiak") and _host.native() is not None
+            for suffix, native in [("", True), (" (python host)", False)][: 2 if twin else 1]:
+                if twin:
+                    _host.use_native(native)
+                r = measure(fn)
+                ours.setdefault(op, r["ms"])
+                rows.append(
+                    {
+                        "set": f"{set_name}[{len(shapes)}]",
+                        "op": op,
+                        "impl": label + suffix,
+                        **r,
+                        "pct_copy": 100 * nbytes / (r["gpu_ms"] * 1e-3) / 1e9 / copy_gbs,
+                        "vs_aiak": r["ms"] / ours[op],
+                    }
+                )
+            if twin:
+                _host.use_native(True)
             torch.cuda.empty_cache()
     cols = ["set", "op", "impl", "ms", "gpu_ms", "ratio", "pct_copy", "vs_aiak", "p20", "p80"]
     print("ms = back to back; gpu_ms = kernels' device time; ratio = ms / gpu_ms")

@@ -19,7 +19,7 @@ import torch
 from profile_host import host_us
 
 import aiak.ops
-from aiak.ops import _cuda, _driver, _mta
+from aiak.ops import _cuda, _driver, _host, _mta
 from aiak.ops import cast_scale as cs
 
 l2 = importlib.import_module("aiak.ops.multi_tensor_l2norm")
@@ -135,7 +135,7 @@ def l2norm() -> None:
     show("  _l2norm_cuda", lambda: l2._l2norm_cuda(ts, True))
     show("  _mta.cached", lambda: _mta.cached("multi_tensor_l2norm", [ts]))
     show("  _mta.key", lambda: _mta.key("multi_tensor_l2norm", [ts]))
-    show("  _all_contiguous", lambda: _mta._all_contiguous([ts]))
+    show("  _host.layout_key (python)", lambda: _host._layout_key_py([ts]))
     show("  list(map(data_ptr))", lambda: list(map(torch.Tensor.data_ptr, ts)))
     show("  tuple(map(data_ptr))", lambda: tuple(map(torch.Tensor.data_ptr, ts)))
     show("  [t.data_ptr() for t]", lambda: [t.data_ptr() for t in ts])

@@ -7,8 +7,9 @@ launcher, the declaration), ``ops/kernels/<op>.cu``, ``tests/ops/test_<op>.py``,
 each: ``_registry`` (declaring an op, its eager fast path, argument records made from the
 schema), ``_capability`` (what a kernel supports, input checks), ``_cuda`` (compilation,
 streams, the device), ``_driver`` (every kernel launch: ``cuLaunchKernelEx`` through ctypes),
-``_mta`` (multi-tensor device tables and the one host cache), ``_fused`` (what the fused
-optimizer ops share, and bound steps).
+``_mta`` (multi-tensor device tables and the one host cache), ``_host`` (the cache key's
+per-tensor reads in one C++ call, compiled on first CUDA use, with a Python fallback),
+``_fused`` (what the fused optimizer ops share, and bound steps).
 
 Each op has one math in two implementations: its reference (plain PyTorch; the CPU, float64
 and no-CuPy path, and the conformance ground truth) and its CUDA kernel. When a kernel cannot
@@ -21,9 +22,10 @@ One optimizer step, from ``FusedAdamW.step`` to the kernel (5 hops):
 1. ``optim/_common.py`` ``FusedOptimizer.step``: ``_plans()`` gives each param group's cached
    plan (params, state lists, copy-back targets, and the bound op) and its grads;
 2. ``optim/adam.py`` ``FusedAdam._step_group``: ``plan.bound(grads, lr, betas, ...)``;
-3. ``ops/_fused.py`` ``Bound.__call__``: if the grads' and params' addresses are those of the
-   last step, the scalars are checked and the kept device table is launched; otherwise the op's
-   ordinary path (``kernel_table``: the host cache of ``_mta``, or the full checks) runs first;
+3. ``ops/_fused.py`` ``Bound.__call__``: if the grads' and params' layout key (addresses,
+   sizes, dtypes, contiguity: ``_host.layout_key``) is that of the last step, the scalars are
+   checked and the kept device table is launched; otherwise the op's ordinary path
+   (``kernel_table``: the host cache of ``_mta``, or the full checks) runs first;
 4. ``ops/fused_adam.py`` ``_launch``: ``_driver.run_kernel`` packs the arguments and launches
    on torch's current stream;
 5. ``ops/kernels/fused_adam.cu`` ``fused_adam`` (and ``bump_steps``): one block per chunk of
@@ -38,7 +40,7 @@ from typing import Any
 
 import torch
 
-from aiak.ops import _cuda
+from aiak.ops import _cuda, _host
 from aiak.ops import dgc_select as _dgc_select  # noqa: F401 (registers aiak::dgc_select)
 from aiak.ops._capability import CAPABILITIES, Capability
 from aiak.ops._fused import Bound, bind
@@ -100,6 +102,8 @@ def backends() -> dict[str, Any]:
         info["cupy"]["version"] = _cuda.cupy().__version__
     reason = _cuda.numba_unavailable_reason()
     info["numba_cuda"] = {"available": reason is None, "reason": reason}
+    # the host helper is built only where a CUDA call would build it
+    info["host_path"] = _host.status() if cuda_ok else "python: no CUDA device"
     ops: dict[str, str] = {}
     for name, cap in sorted(CAPABILITIES.items()):
         if not cuda_ok:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from aiak.ops import _cuda, _mta
+from aiak.ops import _cuda, _host, _mta
 from aiak.ops._capability import (
     Capability,
     check_scalar_tensor,
@@ -176,10 +176,11 @@ class Bound:
 
     It is what keeps an optimizer step O(1) in Python when the tensor set is stable: on eager
     CUDA it keeps the device table of its last launch and, per call, re-checks only what can
-    move between steps — the grads' and params' addresses (a C-level pass each) and the grads'
-    layout — before launching with the scalars checked. Anything else (CPU, tracing, a moved
-    tensor, a new grad layout) runs ``conform(grads)`` (the owner's grad checks and layout
-    copies) and the op's ordinary path, which finds or builds the table.
+    move between steps — the grads' and params' addresses and the grads' layout: one C++ call
+    (``ops/_host.py``) for contiguous params, two address passes and a stride pass otherwise —
+    before launching with the scalars checked. Anything else (CPU, tracing, a moved tensor, a
+    new grad layout) runs ``conform(grads)`` (the owner's grad checks and layout copies) and
+    the op's ordinary path, which finds or builds the table.
 
     Version counters: the params, ``copy_to`` and (when unscaled in place) the grads are bumped;
     the state lists are the owner's private memory.
@@ -189,6 +190,7 @@ class Bound:
         "_bump",
         "_contiguous",
         "_grad_ptrs",
+        "_key",
         "_param_ptrs",
         "_strides",
         "_table",
@@ -212,6 +214,7 @@ class Bound:
         copy_to = self.rest[-1]
         self._bump = params + [t for t in copy_to if t.numel()]
         self._table: _mta.Table | None = None
+        self._key: object = None
         self._grad_ptrs: tuple = ()
         self._param_ptrs: tuple = ()
         self._contiguous = all(map(_is_contiguous, params))
@@ -239,13 +242,19 @@ class Bound:
         if tab is None:
             self.op(*args)
             return
-        self._grad_ptrs = tuple(map(_data_ptr, grads))
-        self._param_ptrs = tuple(map(_data_ptr, self.params))
+        if self._contiguous:
+            self._key = _host.layout_key((grads, self.params))
+        else:
+            self._grad_ptrs = tuple(map(_data_ptr, grads))
+            self._param_ptrs = tuple(map(_data_ptr, self.params))
         with _cuda.on_device(tab.data.device):
             self.kernel.launch(a, tab)
         increment_version(self._bump if a.grad_scale is None else self._bump + grads)
 
     def _unmoved(self, grads: list[torch.Tensor]) -> bool:
+        if self._contiguous:  # the kernel needs the grads laid out as the params: contiguous
+            key = _host.layout_key((grads, self.params))
+            return key is not None and key == self._key
         try:
             if tuple(map(_data_ptr, grads)) != self._grad_ptrs:
                 return False
@@ -253,8 +262,6 @@ class Bound:
             return False
         if tuple(map(_data_ptr, self.params)) != self._param_ptrs:
             return False
-        if self._contiguous:
-            return all(map(_is_contiguous, grads))
         return tuple(map(_stride, grads)) == self._strides
 
 

@@ -6,12 +6,11 @@ small int64 device tensor instead (layout at the top of ``kernels/mta_common.cuh
 number of tensors takes one launch with ``grid = number of chunks``.
 
 The host cache (the only one): ``_cache`` maps a key to the :class:`Table` of a tensor set an
-op has validated. Key: the op's name and, per list, the tensors' addresses, sizes and dtypes
-(:func:`key`; addresses fix the device). A hit therefore means "this op checked this exact set
-before": only sets whose tensors are all contiguous are cached, as the key cannot see strides.
-A bound optimizer step (``ops/_fused.py``) keeps the table it got from here and, per step,
-re-checks only what moves between steps (grad and param addresses, grad layouts) instead of
-computing the key.
+op has validated. Key: the op's name and, per list, the tensors' addresses, sizes, dtypes and
+devices, all contiguous (:func:`key`, one C++ call: ``ops/_host.py``). A hit therefore means
+"this op checked this exact set before"; a set with a non-contiguous tensor has no key and is
+never cached. A bound optimizer step (``ops/_fused.py``) and ``BoundNorm`` keep the table they
+got from here and the key of their last launch, and compare only the key per step.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from aiak.ops import _cuda
+from aiak.ops import _cuda, _host
 
 CHUNK = _cuda.defines("mta_common.cuh")["CHUNK"]  # elements per block
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -82,13 +81,17 @@ _tick = itertools.count()
 _lock = threading.Lock()
 
 
-def key(tag: str, lists: Sequence[Sequence[torch.Tensor]]) -> tuple:
-    """What makes a table valid: addresses, sizes and dtypes of every list (device addresses
-    are unique in the process, so they also fix the device). ``tag`` separates ops, so a cache
-    hit also means "this op has validated this exact set before". ``map`` over unbound methods:
-    the cheapest per-tensor calls from Python, and this runs on every op call."""
+def key(tag: str, lists: Sequence[Sequence[torch.Tensor]]) -> tuple | None:
+    """The cache key of ``lists`` for op ``tag``, or None when the set is not cacheable (a
+    tensor that is not contiguous, an item that is not a tensor): see :func:`_host.layout_key`.
+    ``tag`` separates ops, so a hit also means "this op has validated this exact set before"."""
+    layout = _host.layout_key(lists)
+    return None if layout is None else (tag, layout)
+
+
+def parts(lists: Sequence[Sequence[torch.Tensor]]) -> tuple[tuple, tuple, tuple]:
+    """Per list, the tensors' numels, addresses and dtypes: what a table is built from."""
     return (
-        tag,
         tuple(tuple(map(torch.Tensor.numel, ts)) for ts in lists),
         tuple(tuple(map(torch.Tensor.data_ptr, ts)) for ts in lists),
         tuple(tuple(map(_dtype, ts)) for ts in lists),
@@ -106,19 +109,11 @@ def lookup(k: tuple) -> Table | None:
     return found
 
 
-def _all_contiguous(lists: Sequence[Sequence[torch.Tensor]]) -> bool:
-    return all(all(map(torch.Tensor.is_contiguous, ts)) for ts in lists)
-
-
 def cached(tag: str, lists: Sequence[Sequence[torch.Tensor]]) -> Table | None:
     """The table of a set op ``tag`` has validated before, or None (validate, then
-    :func:`table`). Only contiguous sets are cached: the key does not see strides."""
-    try:
-        if not _all_contiguous(lists):
-            return None
-        return lookup(key(tag, lists))
-    except (TypeError, AttributeError):  # not tensors: the op's check names the culprit
-        return None
+    :func:`table`)."""
+    k = key(tag, lists)
+    return None if k is None else lookup(k)
 
 
 def table(lists: Sequence[Sequence[torch.Tensor]], device: torch.device, tag: str = "") -> Table:
@@ -129,11 +124,11 @@ def table(lists: Sequence[Sequence[torch.Tensor]], device: torch.device, tag: st
     length, the same numel per position, supported dtypes and dense layouts.
     """
     k = key(tag, lists)
-    found = lookup(k)
+    found = None if k is None else lookup(k)
     if found is not None:
         return found
     built = build(lists, device)
-    if _all_contiguous(lists):
+    if k is not None:
         with _lock:
             replaced = _cache.get(k)  # another thread built the same set meanwhile
             if replaced is not None:
@@ -153,7 +148,7 @@ def build(lists: Sequence[Sequence[torch.Tensor]], device: torch.device) -> Tabl
             "aiak multi-tensor op: this tensor set was first seen during CUDA graph capture, "
             "where its address table cannot be uploaded; run the op once before capturing"
         )
-    _, numels, ptrs, dtypes = key("", lists)
+    numels, ptrs, dtypes = parts(lists)
     codes = tuple(tuple(DTYPE_CODES[d] for d in ds) for ds in dtypes)
     return _build(numels[0], ptrs, codes, device, frozenset(itertools.chain(*dtypes)))
 

@@ -29,6 +29,7 @@ __all__ = ["BoundNorm", "multi_tensor_l2norm"]
 
 CAP = declare(Capability("multi_tensor_l2norm"))
 _SOURCE = "multi_tensor_l2norm.cu"
+_TAG = "multi_tensor_l2norm"  # the op's tables in the host cache
 _dtype = operator.attrgetter("dtype")
 _BLOCK = 512  # threads per chunk block; __launch_bounds__(512) in the source
 
@@ -60,7 +61,7 @@ def _l2norm_reference(
 def _l2norm_cuda(
     tensors: Sequence[torch.Tensor], per_tensor: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    tab = _mta.cached("multi_tensor_l2norm", [tensors])
+    tab = _mta.cached(_TAG, [tensors])
     if tab is not None and use_kernel(CAP, tab.data.device, tab.dtypes):
         return _l2norm_launch(tab, len(tensors), per_tensor)
     device = check_tensor_list("multi_tensor_l2norm", "tensors", tensors, REFERENCE_DTYPES)
@@ -69,7 +70,7 @@ def _l2norm_cuda(
     # A strided view (every other row, say) has a defined norm: walk a dense copy of it.
     ts = [t if t.is_contiguous() or is_dense(t) else t.contiguous() for t in tensors]
     with _cuda.on_device(device):
-        return _l2norm_launch(_mta.table([ts], device, "multi_tensor_l2norm"), len(ts), per_tensor)
+        return _l2norm_launch(_mta.table([ts], device, _TAG), len(ts), per_tensor)
 
 
 def _l2norm_launch(tab: _mta.Table, n: int, per_tensor: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,18 +147,13 @@ def multi_tensor_l2norm(
     return L2NORM_OP(list(tensors), per_tensor)
 
 
-_data_ptr = torch.Tensor.data_ptr
-_is_contiguous = torch.Tensor.is_contiguous
-
-
 class BoundNorm:
     """The global L2 norm of an optimizer's gradients, step after step (LAMB's grad norm).
 
     The gradients of a fixed parameter list keep their sizes and dtypes (autograd and
-    ``.grad`` assignment enforce the parameter's). So where their addresses are those of the
-    last call and they are still contiguous, the device table kept from that call is launched
-    at once: one C-level pass over the addresses and one over contiguity, instead of the op's
-    checks and cache key (about half of its host time on 161 tensors). Anything else runs
+    ``.grad`` assignment enforce the parameter's). So where their cache key (addresses, sizes,
+    dtypes, contiguity: one C++ call, ``ops/_host.py``) is that of the last call, the device
+    table kept from that call is launched at once, without the op's checks. Anything else runs
     :func:`multi_tensor_l2norm`. The caller makes a new one when its parameter list changes.
 
     The result is not differentiable: it is computed as under ``torch.no_grad()``, as
@@ -165,27 +161,26 @@ class BoundNorm:
     gradients' ``requires_grad``. For a norm to backpropagate through, call the op.
     """
 
-    __slots__ = ("_ptrs", "_table")
+    __slots__ = ("_key", "_table")
 
     def __init__(self) -> None:
-        self._ptrs: tuple = ()
+        self._key: tuple | None = None
         self._table: _mta.Table | None = None
 
     def __call__(self, grads: list[torch.Tensor]) -> torch.Tensor:
         tab = self._table
-        if tab is not None and L2NORM_OP.eager_kernel((grads, False), False) is L2NORM_OP.cuda:
-            try:
-                same = tuple(map(_data_ptr, grads)) == self._ptrs
-            except (RuntimeError, TypeError):  # sparse grads have no address; None
-                same = False
-            usable = same and all(map(_is_contiguous, grads))
-            if usable and use_kernel(CAP, tab.data.device, tab.dtypes):
-                tab.wait()
-                return _launch(tab, len(grads), None)
+        if (
+            tab is not None
+            and L2NORM_OP.eager_kernel((grads, False), False) is L2NORM_OP.cuda
+            and _mta.key(_TAG, [grads]) == self._key
+            and use_kernel(CAP, tab.data.device, tab.dtypes)
+        ):
+            tab.wait()
+            return _launch(tab, len(grads), None)
         with torch.no_grad():
             total, _ = multi_tensor_l2norm(grads)
-        self._table = None
+        self._key = self._table = None
         if total.is_cuda:
-            self._table = _mta.cached("multi_tensor_l2norm", [grads])
-            self._ptrs = tuple(map(_data_ptr, grads)) if self._table is not None else ()
+            self._key = _mta.key(_TAG, [grads])
+            self._table = None if self._key is None else _mta.lookup(self._key)
         return total

@@ -45,7 +45,7 @@ def _bound_on_cpu(monkeypatch: pytest.MonkeyPatch, params, rest, conform=None):
         module._reference(a)
 
     def build(lists, device):
-        _, numels, _, _ = _mta.key("", lists)
+        numels, _, _ = _mta.parts(lists)
         data = torch.zeros(1, dtype=torch.int64)
         return _mta.Table(data, len(lists), len(numels[0]), 1, None, 0, frozenset())
 
