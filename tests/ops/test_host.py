@@ -115,6 +115,7 @@ def test_a_failed_build_warns_once_and_the_python_path_answers(monkeypatch) -> N
         raise RuntimeError("c++ exited with 1: no compiler today")
 
     monkeypatch.setattr(_host, "_build", fail)
+    monkeypatch.setattr(_host, "_built", [])  # as in a process that has not built it yet
     try:
         with pytest.warns(RuntimeWarning, match="did not build.*no compiler today"):
             _host.use_native(True)
@@ -130,6 +131,7 @@ def test_a_failed_build_warns_once_and_the_python_path_answers(monkeypatch) -> N
 
 def test_switched_off_by_the_environment(monkeypatch) -> None:
     monkeypatch.setenv("AIAK_NATIVE_HOST", "0")
+    monkeypatch.setattr(_host, "_built", [])
     try:
         _host.use_native(True)
         assert _host.native() is None and _host.status() == "python: AIAK_NATIVE_HOST=0"
