@@ -33,6 +33,11 @@ from typing import Any
 
 import torch
 
+try:
+    import fcntl
+except ImportError:  # Windows: no lock; the rename alone keeps a library whole
+    fcntl = None  # type: ignore[assignment]
+
 _SOURCE = Path(__file__).with_name("_host.cpp")
 _BUILD_TIMEOUT_S = 600  # a 2-core machine compiles it in ~30 s
 _lock = threading.Lock()
@@ -142,12 +147,23 @@ def _library_path() -> Path:
 
 
 def _build() -> Path:
-    """Compile ``_host.cpp`` unless a library of this source, torch and Python exists. The
-    library is written under a temporary name and renamed, so processes that build at once
-    (the ranks of one job) never load a half-written file."""
+    """The library of this source, torch and Python, compiled unless it exists. Processes that
+    get here at once (the ranks of one job) take turns on a lock file: one compiles, the
+    others find its library. It is written under a temporary name and renamed, so a library
+    is never seen half-written (also where the lock cannot be taken)."""
     lib = _library_path()
     if lib.exists():
         return lib
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    with open(lib.with_suffix(".lock"), "w") as lock:
+        if fcntl is not None:  # waits at most one build: the compiler runs under a timeout
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if not lib.exists():
+            _compile(lib)
+    return lib
+
+
+def _compile(lib: Path) -> None:
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if cxx is None:
         raise RuntimeError("no C++ compiler (c++, g++ or $CXX) on PATH")
@@ -156,7 +172,6 @@ def _build() -> Path:
         raise RuntimeError(f"Python.h not found in {py_include} (the python3-dev package)")
     from torch.utils import cpp_extension
 
-    lib.parent.mkdir(parents=True, exist_ok=True)
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
     libdirs = cpp_extension.library_paths()
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
@@ -173,7 +188,6 @@ def _build() -> Path:
         if done.returncode != 0:
             raise RuntimeError(f"{cxx} exited with {done.returncode}: {done.stderr[-2000:]}")
         os.replace(out, lib)
-    return lib
 
 
 def _import(path: Path) -> Any:

@@ -181,3 +181,43 @@ def test_the_table_cache_works_on_either_path(monkeypatch, native_on) -> None:
     finally:
         _mta.clear_cache()
         _host._loaded.clear()
+
+
+_CHILD = """
+from aiak.ops import _host
+compile_ = _host._compile
+def counted(lib):
+    print("compiled", flush=True)
+    compile_(lib)
+_host._compile = counted
+print(_host.status(), flush=True)
+"""
+
+
+@needs_compiler
+def test_processes_that_build_at_once_compile_once_and_all_load(tmp_path) -> None:
+    """The ranks of one job reach their first CUDA call together: one compiles, the others
+    wait on the lock file and load its library; nothing half-written is left behind."""
+    import os
+    import sys
+
+    env = {**os.environ, "AIAK_CACHE_DIR": str(tmp_path), "AIAK_NATIVE_HOST": "1"}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _CHILD], env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
+    outs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=600)
+            assert p.returncode == 0
+            outs.append(out.split())
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+    assert sum(o.count("compiled") for o in outs) == 1
+    assert all(o[-1] == "native" for o in outs)
+    left = sorted(f.suffix for f in (tmp_path / "host").iterdir())
+    assert left == [".lock", ".so"]  # no temporary directory remains
