@@ -221,3 +221,19 @@ def test_processes_that_build_at_once_compile_once_and_all_load(tmp_path) -> Non
     assert all(o[-1] == "native" for o in outs)
     left = sorted(f.suffix for f in (tmp_path / "host").iterdir())
     assert left == [".lock", ".so"]  # no temporary directory remains
+
+
+def test_an_unusable_cache_dir_falls_back_with_a_warning(monkeypatch, tmp_path) -> None:
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    monkeypatch.setenv("AIAK_CACHE_DIR", str(not_a_dir))
+    monkeypatch.setattr(_host, "_built", [])
+    try:
+        with pytest.warns(RuntimeWarning, match="did not build"):
+            _host.use_native(True)
+        assert _host.native() is None and _host.status().startswith("python: build failed")
+        x = torch.ones(2)
+        assert _host.layout_key([[x]]) == _host._layout_key_py([[x]])
+    finally:
+        monkeypatch.undo()
+        _host._loaded.clear()
