@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_
 
 import aiak.ops
 from aiak.conformance.shapes import RESNET50
-from aiak.ops import _capability, _cuda, _driver, _mta, _registry
+from aiak.ops import _capability, _cuda, _driver, _host, _mta, _registry
 from aiak.ops._host import any_requires_grad as _any_requires_grad
 from aiak.optim import LAMB, FusedAdamW, FusedSGD
 
@@ -66,7 +66,7 @@ class _Event:
 
 
 def _cpu_table(lists: Any, device: torch.device) -> _mta.Table:
-    numels, ptrs, dtypes = _mta.parts(lists)
+    numels, ptrs, dtypes = _host.parts(lists)
     codes = tuple(tuple(_mta.DTYPE_CODES[d] for d in ds) for ds in dtypes)
     counts = [(m + _mta.CHUNK - 1) // _mta.CHUNK for m in numels[0]]
     words = [w for p in ptrs for w in p] + [c for cs in codes for c in cs] + list(numels[0])

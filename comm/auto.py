@@ -73,7 +73,8 @@ def _rank0() -> bool:
 
 
 def activate(environ: Mapping[str, str] | None = None) -> list[str]:
-    """Patch DDP when comm's variables ask for it; returns what was switched on (or [])."""
+    """Route the world's ``destroy_process_group`` through ``shutdown`` and, when comm's
+    variables ask for a hook, patch DDP; returns what was switched on (or [])."""
     env = dict(os.environ if environ is None else environ)
     names = _asked(env)
     if _saved:

@@ -73,16 +73,22 @@ _requires_grad = operator.attrgetter("requires_grad")
 
 
 def _layout_key_py(lists: Sequence[Sequence[torch.Tensor]]) -> tuple | None:
-    # Unbound methods through map: the cheapest per-tensor calls Python has.
     try:
         if not all(all(map(_is_contiguous, ts)) for ts in lists):
             return None
-        return tuple(
-            (tuple(map(_data_ptr, ts)), tuple(map(_numel, ts)), tuple(map(_dtype, ts)))
-            for ts in lists
-        )
+        return parts(lists)
     except (TypeError, AttributeError, RuntimeError):  # not tensors; sparse (no address)
         return None
+
+
+def parts(lists: Sequence[Sequence[torch.Tensor]]) -> tuple[tuple, tuple, tuple]:
+    """Per list, the tensors' numels, addresses and dtypes (what a device table is built from;
+    the Python key). Unbound methods through map: the cheapest per-tensor calls Python has."""
+    return (
+        tuple(tuple(map(_numel, ts)) for ts in lists),
+        tuple(tuple(map(_data_ptr, ts)) for ts in lists),
+        tuple(tuple(map(_dtype, ts)) for ts in lists),
+    )
 
 
 def _any_requires_grad_py(args: tuple) -> bool:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import operator
 import threading
 from collections.abc import Sequence
 
@@ -71,7 +70,6 @@ class Table:
         return found
 
 
-_dtype = operator.attrgetter("dtype")
 _cache: dict[tuple, Table] = {}
 # Least recently used goes first: a hit stamps its table (id -> tick) instead of reordering the
 # cache, which would hash and compare the key a second time (5-8 µs on 161 tensors on the H100
@@ -87,15 +85,6 @@ def key(tag: str, lists: Sequence[Sequence[torch.Tensor]]) -> tuple | None:
     ``tag`` separates ops, so a hit also means "this op has validated this exact set before"."""
     layout = _host.layout_key(lists)
     return None if layout is None else (tag, layout)
-
-
-def parts(lists: Sequence[Sequence[torch.Tensor]]) -> tuple[tuple, tuple, tuple]:
-    """Per list, the tensors' numels, addresses and dtypes: what a table is built from."""
-    return (
-        tuple(tuple(map(torch.Tensor.numel, ts)) for ts in lists),
-        tuple(tuple(map(torch.Tensor.data_ptr, ts)) for ts in lists),
-        tuple(tuple(map(_dtype, ts)) for ts in lists),
-    )
 
 
 def lookup(k: tuple) -> Table | None:
@@ -148,7 +137,7 @@ def build(lists: Sequence[Sequence[torch.Tensor]], device: torch.device) -> Tabl
             "aiak multi-tensor op: this tensor set was first seen during CUDA graph capture, "
             "where its address table cannot be uploaded; run the op once before capturing"
         )
-    numels, ptrs, dtypes = parts(lists)
+    numels, ptrs, dtypes = _host.parts(lists)
     codes = tuple(tuple(DTYPE_CODES[d] for d in ds) for ds in dtypes)
     return _build(numels[0], ptrs, codes, device, frozenset(itertools.chain(*dtypes)))
 

@@ -29,7 +29,7 @@ def fused() -> Fused:
 def _bound_on_cpu(monkeypatch: pytest.MonkeyPatch, params, rest, conform=None):
     import dataclasses
 
-    from aiak.ops import _capability, _fused, _mta
+    from aiak.ops import _capability, _fused, _host, _mta
     from aiak.ops import fused_adam as module
     from aiak.ops._registry import Op
 
@@ -45,7 +45,7 @@ def _bound_on_cpu(monkeypatch: pytest.MonkeyPatch, params, rest, conform=None):
         module._reference(a)
 
     def build(lists, device):
-        numels, _, _ = _mta.parts(lists)
+        numels, _, _ = _host.parts(lists)
         data = torch.zeros(1, dtype=torch.int64)
         return _mta.Table(data, len(lists), len(numels[0]), 1, None, 0, frozenset())
 
