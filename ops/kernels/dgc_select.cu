@@ -369,6 +369,73 @@ extern "C" __global__ void __launch_bounds__(BLOCK)
 // The counting pass: one read of x, every threshold counted, the candidates kept, the decision
 // ---------------------------------------------------------------------------------------------
 
+// A tile's elements by warp: warp w owns the TILE / NWARP contiguous elements from w * TILE /
+// NWARP, row q of it (a float4 per lane) starting at (q * 32) * 4. A warp's candidates are then
+// contiguous in index order, and where they start in the tile is the candidates of the warps
+// before it: one number a warp, so no block-wide scan of positions.
+__device__ __forceinline__ i64 tile_elem(int q) {
+  return ((i64)((threadIdx.x >> 5) * ROWS + q) * 32 + (threadIdx.x & 31)) * 4;
+}
+
+// Bit e: element e of this thread is at or above T (4 * ROWS <= 32 bits).
+__device__ __forceinline__ u32 select_bits(const int (&b)[4 * ROWS], int T) {
+  u32 sel = 0;
+#pragma unroll
+  for (int e = 0; e < 4 * ROWS; ++e) sel |= (u32)(b[e] >= T) << e;
+  return sel;
+}
+
+// The warp's selected entries (`sel`) stored at cv/ci from position `before`, in index order:
+// row q, then lane, then the float4's element. Per row a scan over the warp of 8-bit fields (a
+// warp's row holds at most 128 elements), rows in groups of four; the rows' totals in 16-bit
+// fields (a tile holds at most cap <= 1024 candidates), so no field carries.
+__device__ __forceinline__ void write_candidates(const float* __restrict__ x, i64 lo, u32 sel,
+                                                 u32 before, float* cv, u16* ci) {
+  const int lane = threadIdx.x & 31;
+  if (__ballot_sync(FULL, sel != 0) == 0) return;
+  constexpr int G = ROWS / 4;
+  static_assert(G == 1 || G == 2, "4 or 8 rows a tile");
+  constexpr u64 ONES = 1ull + (1ull << 16) + (1ull << 32) + (1ull << 48);
+  u32 mine[G], incl[G];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    mine[g] = 0;
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+      mine[g] |= (u32)__popc(sel & (0xfu << (16 * g + 4 * q))) << (8 * q);
+    incl[g] = mine[g];
+  }
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const u32 y = __shfl_up_sync(FULL, incl[g], o);
+      if (lane >= o) incl[g] += y;
+    }
+  }
+  // field q of base[g]: where this lane's entries of row 4g + q start; all * (ONES - 1) puts in
+  // field q the rows before it in the group, carry the groups before and the warps before
+  u64 base[G], carry = before;
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const u64 all = widen(__shfl_sync(FULL, incl[g], 31));
+    base[g] = carry * ONES + all * (ONES - 1) + widen(incl[g] - mine[g]);
+    carry += (all * ONES) >> 48;  // the top field sums the four
+  }
+  // a loop over the set bits only: a tile's candidates (at most cap: ~64 of 8192 at ratio
+  // 0.001) leave most threads none, and an unrolled store predicated off still issues; the
+  // value is read again from x (signs are not kept in registers)
+  for (u32 rest = sel; rest; rest &= rest - 1) {
+    const int e = __ffs(rest) - 1, q = e >> 2;
+    const u64 bg = q >> 2 ? base[G - 1] : base[0];  // a select: an indexed read spills
+    const u32 pos = (u32)((bg >> (16 * (q & 3))) & 0xffffu) +
+                    __popc(sel & ((1u << e) - 1u) & (0xfu << (4 * q)));
+    const int idx = (int)tile_elem(q) + (e & 3);
+    cv[pos] = x[lo + idx];
+    ci[pos] = (u16)idx;
+  }
+}
+
 // REG: thresholds in registers (NC of them, the largest when NC < nthr), else by binary search
 // in shared memory. With NC < nthr (dgc_count_fast, resample mode only) the sorted positions
 // below j0 = nthr - NC are not counted: their tile counts and totals are not written, the
@@ -382,12 +449,11 @@ __device__ void count_body(const float* __restrict__ x, i64* base, i64 n, i64 m,
   const int j0 = REG && NC < nthr ? nthr - NC : 0;  // lowest counted sorted position
   __shared__ int s_sorted[MAXT];
   __shared__ u32 s_hist[MAXT + 1];
-  __shared__ u32 s_warp[NWARP][NC];
+  __shared__ u32 s_warp[2][NWARP][NC];  // by tile parity: one barrier a tile (REG)
   __shared__ u32 s_cnt[MAXT];
+  __shared__ u32 s_wc[NWARP];  // search path: each warp's candidates
   __shared__ u64 s_tot[MAXT];
   __shared__ u64 sh[NWARP];
-  __shared__ u64 s_rows[ROWS / 4][NWARP];
-  __shared__ int s_lv;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   for (int j = tid; j < nthr; j += BLOCK) {
     s_sorted[j] = (int)w.sorted[j];
@@ -398,22 +464,27 @@ __device__ void count_body(const float* __restrict__ x, i64* base, i64 n, i64 m,
 #pragma unroll
   for (int j = 0; j < NC; ++j) treg[j] = REG && j0 + j < nthr ? s_sorted[j0 + j] : 0x7fffffff;
 
-  // Neither bytes nor instructions alone bound this loop (Nsight Compute, H100, 25M elements,
-  // 4096-element tiles: DRAM 58% busy, issue slots 57%, 10.9 cycles per issued instruction,
-  // 43% achieved occupancy): it is the latency of load -> count -> block reduction per tile.
-  // 8192-element tiles halve the reductions, scans and barriers per element (dgc_count_fast
-  // 42.9 us against 46.2 at 4096); prefetching the next tile into registers saved 1.5 us at
-  // 4096 and is not done. A whole tile loads without bounds checks, signs are not kept (a
-  // candidate's value is read again from x), and the per-tile counts are reduced two to a
-  // register.
-  for (i64 t = blockIdx.x; t < tiles; t += gridDim.x) {
+  // Where the fast count's time goes (H100, 25M elements, benchmarks/profile_dgc_floor.py): one
+  // read of x alone takes 34.1 us, with the four counts per element 34.3, with the counts
+  // written per warp and tile 35.4; the candidates in index order bring it to ~40 and the
+  // totals, ticket and loop of the last block to 42.0 (43.1 with the tile's rows spread over
+  // the block: a block-wide scan of positions, four barriers a tile). The candidates cost
+  // however they are written: storing only their indices (the readers then load the values
+  // from x) took the count to 40.4 us and the write kernel from 7.0 to 10.4; taking the values
+  // from registers, row by row with the signs kept, to 46.7. Per tile here: one block barrier
+  // (the warps' counts), then each warp works out the tile's counts, the candidate level and
+  // where its candidates start by itself. A whole tile loads without bounds checks, signs are
+  // not kept (a candidate's value is read again from x), and the per-tile counts are reduced
+  // two to a register.
+  int parity = 0;
+  for (i64 t = blockIdx.x; t < tiles; t += gridDim.x, parity ^= 1) {
     const i64 lo = t * TILE;
     int b[4 * ROWS];
     if (vec && lo + TILE <= n) {
 #pragma unroll
       for (int q = 0; q < ROWS; ++q) {
         const Pack<float, 4> pk =
-            reinterpret_cast<const Pack<float, 4>*>(x)[(lo >> 2) + q * BLOCK + tid];
+            reinterpret_cast<const Pack<float, 4>*>(x)[(lo + tile_elem(q)) >> 2];
 #pragma unroll
         for (int r = 0; r < 4; ++r) b[4 * q + r] = abs_bits(pk.v[r]);
       }
@@ -422,12 +493,13 @@ __device__ void count_body(const float* __restrict__ x, i64* base, i64 n, i64 m,
       for (int q = 0; q < ROWS; ++q) {
         float v4[4];
         int b4[4];
-        load4(x, lo + ((i64)q * BLOCK + tid) * 4, n, vec, v4, b4);
+        load4(x, lo + tile_elem(q), n, vec, v4, b4);
 #pragma unroll
         for (int r = 0; r < 4; ++r) b[4 * q + r] = b4[r];
       }
     }
-    int lv;
+    float* cv = w.cval + t * cap;
+    u16* ci = w.cidx + t * cap;
     if (REG) {
       static_assert(NC % 2 == 0, "counts are reduced in pairs");
       int c[NC];
@@ -451,24 +523,34 @@ __device__ void count_body(const float* __restrict__ x, i64* base, i64 n, i64 m,
       }
       if (lane == 0) {
 #pragma unroll
-        for (int j = 0; j < NC; ++j) s_warp[warp][j] = (u32)c[j];
+        for (int j = 0; j < NC; ++j) s_warp[parity][warp][j] = (u32)c[j];
       }
+      // The only barrier of the tile. The buffer it guards is written again two tiles later,
+      // after the next tile's barrier, which every warp reaches only once done with this one.
       __syncthreads();
-      if (warp == 0) {  // the counted positions [j0, nthr) are at most 21: lanes of warp 0
-        const bool mine = tid >= j0 && tid < nthr;
-        u32 s = 0;
-        if (mine) {
+      // every warp: the tile's count at counted position `lane` (at most 21 of them), the
+      // candidate level (the lowest counted position whose count fits in cap: counts fall as
+      // the position rises) by one ballot, and the candidates of the warps before it
+      const bool counted = lane >= j0 && lane < nthr;
+      u32 s = 0;
+      if (counted) {
 #pragma unroll
-          for (int q = 0; q < NWARP; ++q) s += s_warp[q][tid - j0];
-          s_cnt[tid] = s;
-        }
-        // candidate level: the lowest counted threshold whose tile count fits in cap (counts
-        // fall as j rises); one ballot instead of a search by every thread
-        const u32 fits = __ballot_sync(FULL, mine && s <= (u32)cap);
-        if (tid == 0) s_lv = fits ? __ffs(fits) - 1 : nthr;
+        for (int v = 0; v < NWARP; ++v) s += s_warp[parity][v][lane - j0];
       }
-      __syncthreads();
-      lv = s_lv;
+      const u32 fits = __ballot_sync(FULL, counted && s <= (u32)cap);
+      const int lv = fits ? __ffs(fits) - 1 : nthr;
+      const u32 at_lv = __shfl_sync(FULL, s, lv & 31);
+      const u32 ncand = lv < nthr ? at_lv : 0;
+      if (warp == 0 && counted) {
+        w.tile_cnt[(i64)lane * tiles + t] = s;
+        s_tot[lane] += s;
+      }
+      if (tid == 0) w.info[t] = ((u32)lv << 16) | ncand;
+      if (ncand > 0) {
+        u32 before = 0;
+        for (int v = 0; v < warp; ++v) before += s_warp[parity][v][lv - j0];
+        write_candidates(x, lo, select_bits(b, s_sorted[lv]), before, cv, ci);
+      }
     } else {
       for (int j = tid; j <= nthr; j += BLOCK) s_hist[j] = 0;
       __syncthreads();
@@ -494,101 +576,54 @@ __device__ void count_body(const float* __restrict__ x, i64* base, i64 n, i64 m,
       __syncthreads();
       // candidate level: the lowest threshold whose tile count fits in cap (counts fall as j
       // rises)
-      int hi = nthr;
-      lv = 0;
+      int lv = 0, hi = nthr;
       while (lv < hi) {
         const int mid = (lv + hi) >> 1;
         if (s_cnt[mid] <= (u32)cap) hi = mid;
         else lv = mid + 1;
       }
+      const u32 ncand = lv < nthr ? s_cnt[lv] : 0;
+      if (tid < nthr) {
+        w.tile_cnt[(i64)tid * tiles + t] = s_cnt[tid];
+        s_tot[tid] += s_cnt[tid];
+      }
+      if (tid == 0) w.info[t] = ((u32)lv << 16) | ncand;
+      if (ncand > 0) {  // the same in every thread: the barrier below is reached by all
+        const u32 sel = select_bits(b, s_sorted[lv]);
+        u32 wc = __popc(sel);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) wc += __shfl_xor_sync(FULL, wc, o);
+        if (lane == 0) s_wc[warp] = wc;
+        __syncthreads();
+        u32 before = 0;
+        for (int v = 0; v < warp; ++v) before += s_wc[v];
+        write_candidates(x, lo, sel, before, cv, ci);
+      }
+      __syncthreads();  // s_hist, s_cnt and s_wc are rewritten by the next tile
     }
-    const u32 ncand = lv < nthr ? s_cnt[lv] : 0;
-    if (tid >= j0 && tid < nthr) {
-      w.tile_cnt[(i64)tid * tiles + t] = s_cnt[tid];
-      s_tot[tid] += s_cnt[tid];
-    }
-    if (tid == 0) w.info[t] = ((u32)lv << 16) | ncand;
-    if (ncand > 0) {  // the same in every thread: the scan below synchronises
-      const int T = s_sorted[lv];
-      u32 sel = 0;  // bit e: element e of this thread is a candidate (4 * ROWS <= 32 bits)
-#pragma unroll
-      for (int e = 0; e < 4 * ROWS; ++e) sel |= (u32)(b[e] >= T) << e;
-      // Positions in index order (row q of the tile, then thread), rows in groups of four: per
-      // row, a scan over the warp of 8-bit fields (a warp's row holds at most 128 elements),
-      // then the warps' totals in 16-bit fields (a tile holds at most cap <= 1024 candidates),
-      // so no field carries.
-      constexpr int G = ROWS / 4;
-      static_assert(G == 1 || G == 2, "4 or 8 rows a tile");
-      constexpr u64 ONES = 1ull + (1ull << 16) + (1ull << 32) + (1ull << 48);
-      u32 mine[G], incl[G];
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-        mine[g] = 0;
-#pragma unroll
-        for (int q = 0; q < 4; ++q)
-          mine[g] |= (u32)__popc(sel & (0xfu << (16 * g + 4 * q))) << (8 * q);
-        incl[g] = mine[g];
-      }
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-          const u32 y = __shfl_up_sync(FULL, incl[g], o);
-          if (lane >= o) incl[g] += y;
-        }
-      }
-      if (lane == 31) {
-#pragma unroll
-        for (int g = 0; g < G; ++g) s_rows[g][warp] = widen(incl[g]);
-      }
-      __syncthreads();
-      // field q of base[g]: where this thread's candidates of row 4g + q start
-      u64 base[G], carry = 0;  // carry: the candidates of the groups before
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-        u64 all = 0, before = 0;
-#pragma unroll
-        for (int v = 0; v < NWARP; ++v) {
-          const u64 wt = s_rows[g][v];
-          all += wt;
-          if (v < warp) before += wt;
-        }
-        base[g] = carry * ONES + all * (ONES - 1) + before + widen(incl[g] - mine[g]);
-        carry += (all * ONES) >> 48;  // the top field sums the four
-      }
-      float* cv = w.cval + t * cap;
-      u16* ci = w.cidx + t * cap;
-      // a loop over the set bits only: a tile's candidates (at most cap: ~64 of 8192 at ratio
-      // 0.001) leave most threads none, and an unrolled store predicated off still issues
-      for (u32 rest = sel; rest; rest &= rest - 1) {
-        const int e = __ffs(rest) - 1, q = e >> 2;
-        const u64 bg = q >> 2 ? base[G - 1] : base[0];  // a select: an indexed read spills
-        const u32 pos = (u32)((bg >> (16 * (q & 3))) & 0xffffu) +
-                        __popc(sel & ((1u << e) - 1u) & (0xfu << (4 * q)));
-        const int idx = (q * BLOCK + tid) * 4 + (e & 3);
-        cv[pos] = x[lo + idx];
-        ci[pos] = (u16)idx;
-      }
-    }
-    __syncthreads();  // s_cnt, s_warp, s_hist, s_rows, s_lv are rewritten by the next tile
   }
   for (int j = tid; j < nthr; j += BLOCK)
     if (s_tot[j]) atomicAdd(&w.totals[j], s_tot[j]);
   if (!last_block(w.plan)) return;
-  // the adaptation loop on the totals
+  // the adaptation loop on the totals: one thread's dependent steps, 1.8 us of the count; its
+  // tables in shared memory, where a read of global memory per step cost 0.4 us more
+  __shared__ int s_rank[MAXT];
+  __shared__ u32 s_thr[MAXT];
   const volatile u64* vt = w.totals;
   for (int j = tid; j < nthr; j += BLOCK) {
     s_tot[j] = vt[j];
     w.totals[j] = 0;
+    s_rank[j] = w.rank[j];
+    s_thr[j] = w.thr[j];
   }
   __syncthreads();
   if (tid != 0) return;
   int a = 0, bb = 0, exact = 0;
-  if (w.rank[0] < j0) {  // thr0 itself not counted (ties below it): the full count decides
+  if (s_rank[0] < j0) {  // thr0 itself not counted (ties below it): the full count decides
     w.plan[P_FULL] = 1;
     return;
   }
-  i64 c = (i64)s_tot[w.rank[0]];
+  i64 c = (i64)s_tot[s_rank[0]];
   for (int it = 0; it < iters; ++it) {
     if ((double)c > upper * (double)k) {
       if (resample) {
@@ -601,7 +636,7 @@ __device__ void count_body(const float* __restrict__ x, i64* base, i64 n, i64 m,
     } else {
       break;
     }
-    const int r = w.rank[state_index(a, bb, iters, resample)];
+    const int r = s_rank[state_index(a, bb, iters, resample)];
     if (r < j0) {  // a threshold the fast count skipped: the gated full count redoes it all
       w.plan[P_FULL] = 1;
       return;
@@ -611,9 +646,9 @@ __device__ void count_body(const float* __restrict__ x, i64* base, i64 n, i64 m,
   w.plan[P_FULL] = 0;
   const int s = state_index(a, bb, iters, resample);
   w.plan[P_EXACT] = exact;
-  w.plan[P_LEVEL] = w.rank[s];
-  w.plan[P_THR] = w.thr[s];
-  w.plan[P_COUNT] = (i64)s_tot[w.rank[s]];
+  w.plan[P_LEVEL] = s_rank[s];
+  w.plan[P_THR] = s_thr[s];
+  w.plan[P_COUNT] = (i64)s_tot[s_rank[s]];
   w.plan[P_XPREFIX] = 0;
   w.plan[P_XMASK] = 0;
   w.plan[P_XREM] = k;
