@@ -1,0 +1,130 @@
+"""Lower bounds for the stages of aiak::dgc_select, next to its own kernels, in one process.
+
+    python benchmarks/profile_dgc_floor.py [--n 25000000] [--ratio 0.001]
+
+Each kernel of benchmarks/kernels/dgc_floor.cu does one stage's unavoidable work and nothing
+else, on the same gradient and geometry (25M fp32, 1% strided samples, 4 thresholds): one read,
+the read with the four counts, the counts written per warp and tile, the same with the tile's
+candidates in index order, the sample gather with and without its histogram (also after a read
+of x has evicted the sampled sectors from L2, as in the selection), an empty launch. Columns:
+``kernel_us`` the GPU time of the kernel alone (torch.profiler), ``graph_us`` one call replayed
+from a CUDA graph (the launch gap included). aiak's own kernels follow (plain launches, as
+bench_dgc_select.py's per-kernel figures). What a stage cannot go below bounds what a redesign
+of it could gain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+import torch
+from _harness import copy_bandwidth, print_table, time_graph
+from bench_dgc_select import kernel_times
+
+from aiak.ops import _driver
+from aiak.ops.dgc_select import dgc_select
+
+_SOURCE = Path(__file__).resolve().parent / "kernels" / "dgc_floor.cu"
+_TILE, _BLOCK = 8192, 256
+
+
+def _module():
+    import cupy
+
+    return cupy, cupy.RawModule(code=_SOURCE.read_text(), options=("-std=c++17",))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--n", type=int, default=25_000_000)
+    p.add_argument("--ratio", type=float, default=0.001)
+    args = p.parse_args()
+    n = -(-args.n // _TILE) * _TILE  # whole tiles: the floor kernels do not check bounds
+    tiles = n // _TILE
+    g = torch.randn(n, device="cuda")
+    k = max(1, math.ceil(n * args.ratio))
+    m = max(1, math.ceil(n * 0.01))
+    stride = n // m
+    # the loop's first four thresholds, thr0 from the samples as the op computes it
+    samples = g[::stride][:m].abs()
+    ks = max(1, (m * k + n - 1) // n)
+    thr0 = samples.topk(ks).values[-1].item()
+    thr = torch.tensor([thr0 * 0.8**j for j in range(4)], device="cuda").view(torch.int32)
+    out = torch.zeros(1, dtype=torch.int32, device="cuda")
+    hist = torch.zeros(2048, dtype=torch.int32, device="cuda")
+    compact = torch.empty(m, dtype=torch.int32, device="cuda")
+    tile_cnt = torch.empty(2 * tiles * 8, dtype=torch.int32, device="cuda")
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    cupy, mod = _module()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+
+    def launcher(name: str, grid: int, kargs: tuple):
+        fn = mod.get_function(name)
+        ptrs = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in kargs)
+        cargs = tuple(
+            cupy.int64(a) if isinstance(a, int) and a < 2**40 else cupy.uint64(a) for a in ptrs
+        )
+
+        def run() -> None:
+            with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+                fn((grid,), (_BLOCK,), cargs)
+
+        return run
+
+    tile_args = (g, tiles, thr, out, tile_cnt)
+    gather_grid = max(1, min(-(-m // (4 * _BLOCK)), 4 * sms))
+    floors = {
+        "floor_read": launcher("floor_read", min(tiles, 4 * sms), tile_args),
+        "floor_count": launcher("floor_count", min(tiles, 4 * sms), tile_args),
+        "floor_count_warp": launcher("floor_count_warp", min(tiles, 4 * sms), tile_args),
+        "floor_gather": launcher("floor_gather", gather_grid, (g, m, stride, compact, hist, out)),
+        "floor_sample": launcher("floor_sample", gather_grid, (g, m, stride, compact, hist, out)),
+        "floor_empty": launcher("floor_empty", 4 * sms, (flag,)),
+    }
+    cap = 64
+    cval = torch.empty(tiles * cap, device="cuda")
+    cidx = torch.empty(tiles * cap, dtype=torch.int16, device="cuda")
+    floors["floor_count_cand"] = launcher(
+        "floor_count_cand", min(tiles, 4 * sms), (g, tiles, thr, tile_cnt, cval, cidx, cap)
+    )
+    # the gathers as the selection meets them: x's sampled sectors evicted from L2 by a read
+    flush = floors["floor_read"]
+    for name in ("floor_gather", "floor_sample"):
+        floors[name + " (cold)"] = lambda f=floors[name]: (flush(), f())
+    rows = []
+    for name, fn in floors.items():
+        per = kernel_times(fn) or {}
+        row = {"kernel": name, "kernel_us": per.get(name.split(" ")[0], float("nan"))}
+        if "cold" not in name:  # a cold call's graph would time the flush with it
+            graph = time_graph(fn)
+            row["graph_us"] = round(graph[1] * 1e3, 1) if graph else float("nan")
+        rows.append(row)
+    bw = copy_bandwidth()
+    rows.append({"kernel": "read at copy bandwidth", "kernel_us": round(n * 4 / bw / 1e3, 1)})
+    graph = time_graph(lambda: torch.sum(g))
+    rows.append({"kernel": "torch.sum", "graph_us": round(graph[1] * 1e3, 1) if graph else None})
+
+    def ours() -> None:
+        dgc_select(g, k, m, 0, stride)
+
+    previous = _driver.programmatic_launches(False)
+    try:
+        per = kernel_times(ours) or {}
+        plain = time_graph(ours)
+    finally:
+        _driver.programmatic_launches(previous)
+    for name, us in per.items():
+        rows.append({"kernel": f"aiak {name}", "kernel_us": us})
+    pdl = time_graph(ours)
+    rows.append({"kernel": "aiak dgc_select, plain launches", "graph_us": round(plain[1] * 1e3, 1)})
+    rows.append({"kernel": "aiak dgc_select, programmatic", "graph_us": round(pdl[1] * 1e3, 1)})
+    graph = time_graph(lambda: torch.topk(g.abs(), k, sorted=False))
+    rows.append({"kernel": "torch.topk(|g|)", "graph_us": round(graph[1] * 1e3, 1)})
+    print(f"{torch.cuda.get_device_name()}, n = {n}, k = {k}, {m} samples (stride {stride})")
+    print_table(rows, ["kernel", "kernel_us", "graph_us"])
+
+
+if __name__ == "__main__":
+    main()
