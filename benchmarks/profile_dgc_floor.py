@@ -62,9 +62,10 @@ def main() -> None:
 
     def launcher(name: str, grid: int, kargs: tuple):
         fn = mod.get_function(name)
-        ptrs = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in kargs)
+        # tensors as their addresses, integers as the kernels' i64 parameters
         cargs = tuple(
-            cupy.int64(a) if isinstance(a, int) and a < 2**40 else cupy.uint64(a) for a in ptrs
+            cupy.uint64(a.data_ptr()) if isinstance(a, torch.Tensor) else cupy.int64(a)
+            for a in kargs
         )
 
         def run() -> None:

@@ -103,7 +103,7 @@ __device__ __forceinline__ u64 widen16(u32 x) {
 extern "C" __global__ void __launch_bounds__(BLOCK, 4)
     floor_count_cand(const float* __restrict__ x, i64 tiles, const int* __restrict__ thr,
                      u32* __restrict__ tile_cnt, float* __restrict__ cval, unsigned short* cidx,
-                     int cap) {
+                     i64 cap) {
   constexpr int NW = BLOCK / 32;
   __shared__ u32 s_cnt[2][NW][4];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;

@@ -465,17 +465,16 @@ __device__ void count_body(const float* __restrict__ x, i64* base, i64 n, i64 m,
   for (int j = 0; j < NC; ++j) treg[j] = REG && j0 + j < nthr ? s_sorted[j0 + j] : 0x7fffffff;
 
   // Where the fast count's time goes (H100, 25M elements, benchmarks/profile_dgc_floor.py): one
-  // read of x alone takes 34.1 us, with the four counts per element 34.3, with the counts
-  // written per warp and tile 35.4; the candidates in index order bring it to ~40 and the
-  // totals, ticket and loop of the last block to 42.0 (43.1 with the tile's rows spread over
-  // the block: a block-wide scan of positions, four barriers a tile). The candidates cost
+  // read of x alone takes 34.1 us, with the four counts per element 34.0, with the counts
+  // written per warp and tile 35.3; the candidates in index order bring it to 39.2 and the
+  // totals, ticket and loop of the last block to 41.6-42.3 (43.1 with the tile's rows spread
+  // over the block: a block-wide scan of positions, four barriers a tile). The candidates cost
   // however they are written: storing only their indices (the readers then load the values
   // from x) took the count to 40.4 us and the write kernel from 7.0 to 10.4; taking the values
   // from registers, row by row with the signs kept, to 46.7. Per tile here: one block barrier
   // (the warps' counts), then each warp works out the tile's counts, the candidate level and
-  // where its candidates start by itself. A whole tile loads without bounds checks, signs are
-  // not kept (a candidate's value is read again from x), and the per-tile counts are reduced
-  // two to a register.
+  // where its candidates start by itself. A whole tile loads without bounds checks and the
+  // per-tile counts are reduced two to a register.
   int parity = 0;
   for (i64 t = blockIdx.x; t < tiles; t += gridDim.x, parity ^= 1) {
     const i64 lo = t * TILE;
