@@ -6,7 +6,8 @@ Each kernel of benchmarks/kernels/dgc_floor.cu does one stage's unavoidable work
 else, on the same gradient and geometry (25M fp32, 1% strided samples, 4 thresholds): one read,
 the read with the four counts, the counts written per warp and tile, the same with the tile's
 candidates in index order, the sample gather with and without its histogram (also after a read
-of x has evicted the sampled sectors from L2, as in the selection), an empty launch. Columns:
+of x has evicted the sampled sectors from L2, and right after a selection, as the op's sample
+kernel meets them), an empty launch. Columns:
 ``kernel_us`` the GPU time of the kernel alone (torch.profiler), ``graph_us`` one call replayed
 from a CUDA graph (the launch gap included). aiak's own kernels follow (plain launches, as
 bench_dgc_select.py's per-kernel figures). What a stage cannot go below bounds what a redesign
@@ -90,10 +91,15 @@ def main() -> None:
     floors["floor_count_cand"] = launcher(
         "floor_count_cand", min(tiles, 4 * sms), (g, tiles, thr, tile_cnt, cval, cidx, cap)
     )
-    # the gathers as the selection meets them: x's sampled sectors evicted from L2 by a read
+    # the gathers after a read of x has evicted the sampled sectors from L2, and after a whole
+    # selection (what the sample kernel meets when the op is called step after step)
     flush = floors["floor_read"]
     for name in ("floor_gather", "floor_sample"):
         floors[name + " (cold)"] = lambda f=floors[name]: (flush(), f())
+        floors[name + " (cold, after a selection)"] = lambda f=floors[name]: (
+            dgc_select(g, k, m, 0, stride),
+            f(),
+        )
     rows = []
     for name, fn in floors.items():
         per = kernel_times(fn) or {}
