@@ -8,6 +8,7 @@
 //   floor_gather      the strided sample gather alone (4 gathers a thread in flight)
 //   floor_sample      the gather + compact copy + 2048-bin histogram flushed to global
 //   floor_empty       a block that returns at once (a gated-off launch)
+// x is read with the streaming hint (evict first), as dgc_select.cu reads it.
 typedef long long i64;
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -15,8 +16,6 @@ typedef unsigned long long u64;
 #define BLOCK 256
 #define ROWS (TILE / (4 * BLOCK))
 #define FULL 0xffffffffu
-
-struct alignas(16) F4 { float v[4]; };
 
 __device__ __forceinline__ int abs_bits(float v) { return (int)(__float_as_uint(v) & 0x7fffffffu); }
 
@@ -32,9 +31,12 @@ __device__ __forceinline__ void load_tile(const float* __restrict__ x, i64 t, in
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
   for (int q = 0; q < ROWS; ++q) {
-    const F4 pk = reinterpret_cast<const F4*>(x)[t * (TILE / 4) + (warp * ROWS + q) * 32 + lane];
-#pragma unroll
-    for (int r = 0; r < 4; ++r) b[4 * q + r] = abs_bits(pk.v[r]);
+    const float4 f =
+        __ldcs(reinterpret_cast<const float4*>(x) + t * (TILE / 4) + (warp * ROWS + q) * 32 + lane);
+    b[4 * q] = abs_bits(f.x);
+    b[4 * q + 1] = abs_bits(f.y);
+    b[4 * q + 2] = abs_bits(f.z);
+    b[4 * q + 3] = abs_bits(f.w);
   }
 }
 
@@ -217,7 +219,7 @@ __device__ void gather_body(const float* __restrict__ x, i64 m, i64 stride, u32*
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const i64 i = i0 + r * step;
-      b[r] = i < m ? abs_bits(x[i * stride]) : -1;
+      b[r] = i < m ? abs_bits(__ldcs(x + i * stride)) : -1;
     }
 #pragma unroll
     for (int r = 0; r < 4; ++r) {

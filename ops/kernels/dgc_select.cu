@@ -276,7 +276,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK)
 #pragma unroll
     for (int r = 0; r < 4; ++r) {  // four independent gathers in flight
       const i64 i = i0 + r * step;
-      b[r] = i < m ? abs_bits(x[sidx ? sidx[i] : start + i * stride]) : -1;
+      b[r] = i < m ? abs_bits(__ldcs(x + (sidx ? sidx[i] : start + i * stride))) : -1;
     }
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
@@ -464,17 +464,24 @@ __device__ void count_body(const float* __restrict__ x, i64* base, i64 n, i64 m,
 #pragma unroll
   for (int j = 0; j < NC; ++j) treg[j] = REG && j0 + j < nthr ? s_sorted[j0 + j] : 0x7fffffff;
 
-  // Where the fast count's time goes (H100, 25M elements, benchmarks/profile_dgc_floor.py): one
-  // read of x alone takes 34.1 us, with the four counts per element 34.0, with the counts
-  // written per warp and tile 35.3; the candidates in index order bring it to 39.2 and the
-  // totals, ticket and loop of the last block to 41.6-42.3 (43.1 with the tile's rows spread
-  // over the block: a block-wide scan of positions, four barriers a tile). The candidates cost
-  // however they are written: storing only their indices (the readers then load the values
-  // from x) took the count to 40.4 us and the write kernel from 7.0 to 10.4; taking the values
-  // from registers, row by row with the signs kept, to 46.7. Per tile here: one block barrier
-  // (the warps' counts), then each warp works out the tile's counts, the candidate level and
-  // where its candidates start by itself. A whole tile loads without bounds checks and the
-  // per-tile counts are reduced two to a register.
+  // Where the fast count's time goes (H100, 25M elements, benchmarks/profile_dgc_floor.py, x
+  // read with the streaming hint): one read of x alone takes 33.3 us, with the four counts per
+  // element 33.8, with the counts written per warp and tile 34.2; the candidates in index order
+  // bring it to 36.4 and the totals, ticket and loop of the last block to 38.5-39.4 (43.1 with
+  // plain loads and the tile's rows spread over the block: a block-wide scan of positions, four
+  // barriers a tile). The candidates cost however they are written: storing only their
+  // indices (the readers then load the values from x) took the count to 40.4 us and the write
+  // kernel from 7.0 to 10.4; taking the values from registers, row by row with the signs kept,
+  // to 46.7 (both with plain loads). Per tile here: one block barrier (the warps' counts), then
+  // each warp works out the tile's counts, the candidate level and where its candidates start
+  // by itself. A whole tile loads without bounds checks and the per-tile counts are reduced two
+  // to a register.
+  // Whole tiles read x with the streaming hint (ld.global.cs, evict first), and so do the sample
+  // gathers: x's 100 MB then pass through L2 without pushing out the workspace, candidates and
+  // code. The count takes 38.5-39.4 us against 42.0-43.0 with plain loads, the write (which
+  // reads the candidates) 5.9-6.2 against 6.9-7.0, the sample gathers 11.9-12.0 against 12.4.
+  // Hinting the other reads of x too (the partial tile, the write, the exact kernels) left the
+  // count at 41.2.
   int parity = 0;
   for (i64 t = blockIdx.x; t < tiles; t += gridDim.x, parity ^= 1) {
     const i64 lo = t * TILE;
@@ -482,10 +489,11 @@ __device__ void count_body(const float* __restrict__ x, i64* base, i64 n, i64 m,
     if (vec && lo + TILE <= n) {
 #pragma unroll
       for (int q = 0; q < ROWS; ++q) {
-        const Pack<float, 4> pk =
-            reinterpret_cast<const Pack<float, 4>*>(x)[(lo + tile_elem(q)) >> 2];
-#pragma unroll
-        for (int r = 0; r < 4; ++r) b[4 * q + r] = abs_bits(pk.v[r]);
+        const float4 f = __ldcs(reinterpret_cast<const float4*>(x) + ((lo + tile_elem(q)) >> 2));
+        b[4 * q] = abs_bits(f.x);
+        b[4 * q + 1] = abs_bits(f.y);
+        b[4 * q + 2] = abs_bits(f.z);
+        b[4 * q + 3] = abs_bits(f.w);
       }
     } else {
 #pragma unroll
