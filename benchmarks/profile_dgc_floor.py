@@ -10,8 +10,9 @@ of x has evicted the sampled sectors from L2, and right after a selection, as th
 kernel meets them), an empty launch. Columns:
 ``kernel_us`` the GPU time of the kernel alone (torch.profiler), ``graph_us`` one call replayed
 from a CUDA graph (the launch gap included). aiak's own kernels follow (plain launches, as
-bench_dgc_select.py's per-kernel figures). What a stage cannot go below bounds what a redesign
-of it could gain.
+bench_dgc_select.py's per-kernel figures), then the op's graph time next to the same op with
+its gated launches (which return at once on this gradient) not issued. What a stage cannot go
+below bounds what a redesign of it could gain.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 from _harness import copy_bandwidth, print_table, time_graph
 from bench_dgc_select import kernel_times
 
-from aiak.ops import _driver
+from aiak.ops import _dgc_select_cuda, _driver
 from aiak.ops.dgc_select import dgc_select
 
 _SOURCE = Path(__file__).resolve().parent / "kernels" / "dgc_floor.cu"
@@ -35,6 +36,32 @@ def _module():
     import cupy
 
     return cupy, cupy.RawModule(code=_SOURCE.read_text(), options=("-std=c++17",))
+
+
+# the launches that return at once unless the adaptation loop needs them (the full count, the
+# exact top-k): with this gradient every gate stays shut
+_GATED = ("dgc_count_reg", "dgc_count_search", "dgc_exact_hist", "dgc_exact_counts")
+
+
+def _ungated(ours):
+    """``ours`` with the gated launches not issued: what gating them on the device, without a
+    launch from the host, could save. Outputs are checked equal to the op's."""
+    kernel = _dgc_select_cuda._kernel
+
+    def skip(name: str):
+        return (lambda *args: None) if name in _GATED else kernel(name)
+
+    def run():
+        _dgc_select_cuda._kernel, saved = skip, dict(_dgc_select_cuda._workspaces)
+        _dgc_select_cuda._workspaces.clear()  # fresh workspaces get the no-op launches
+        try:
+            return ours()
+        finally:
+            _dgc_select_cuda._kernel = kernel
+            _dgc_select_cuda._workspaces.clear()
+            _dgc_select_cuda._workspaces.update(saved)
+
+    return run
 
 
 def main() -> None:
@@ -113,8 +140,12 @@ def main() -> None:
     graph = time_graph(lambda: torch.sum(g))
     rows.append({"kernel": "torch.sum", "graph_us": round(graph[1] * 1e3, 1) if graph else None})
 
-    def ours() -> None:
-        dgc_select(g, k, m, 0, stride)
+    def ours():
+        return dgc_select(g, k, m, 0, stride)
+
+    ungated = _ungated(ours)
+    want, got = ours(), ungated()
+    assert all(torch.equal(a, b) for a, b in zip(want, got)), "a gate opened on this gradient"
 
     previous = _driver.programmatic_launches(False)
     try:
@@ -127,6 +158,11 @@ def main() -> None:
     pdl = time_graph(ours)
     rows.append({"kernel": "aiak dgc_select, plain launches", "graph_us": round(plain[1] * 1e3, 1)})
     rows.append({"kernel": "aiak dgc_select, programmatic", "graph_us": round(pdl[1] * 1e3, 1)})
+    # interleaved with the op: the launch gaps between processes differ by 3-5 us
+    for name, fn in (("", ours), (", gated launches not issued", ungated)) * 2:
+        graph = time_graph(fn)
+        row = {"kernel": f"aiak dgc_select, programmatic{name}"}
+        rows.append({**row, "graph_us": round(graph[1] * 1e3, 1) if graph else float("nan")})
     graph = time_graph(lambda: torch.topk(g.abs(), k, sorted=False))
     rows.append({"kernel": "torch.topk(|g|)", "graph_us": round(graph[1] * 1e3, 1)})
     print(f"{torch.cuda.get_device_name()}, n = {n}, k = {k}, {m} samples (stride {stride})")
