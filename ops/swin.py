@@ -90,11 +90,17 @@ def _pair(value: Any) -> tuple[int, int]:
 
 
 def _fused_block_attn(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """timm's ``SwinTransformerBlock._attn`` (x ``[B, H, W, C]``) with one gather each way."""
+    """timm's ``SwinTransformerBlock._attn`` (x ``[B, H, W, C]``) with one gather each way.
+
+    Under ``torch.compile`` the block keeps timm's roll + partition (its attention is still
+    fused): inductor fuses them into the neighbouring LayerNorm and residual kernels, which an
+    opaque gather op prevents. Compiled Swin-T b64 fp16 training step, kernel time per step on
+    an H200: 12.8 ms with timm's roll + partition, 13.5 ms with the gather ops, 16.2 ms for
+    compile alone."""
     _, h, w, _c = x.shape
     ws, _ = _pair(self.window_size)
     shift, _ = _pair(self.shift_size)
-    if h % ws or w % ws:  # timm pads such maps: its own path handles them
+    if h % ws or w % ws or torch.compiler.is_compiling():  # timm pads such maps itself
         return self._aiak_timm_attn(x)
     windows = roll_window_partition(x, ws, shift)
     windows = self.attn(windows, mask=self.attn_mask)

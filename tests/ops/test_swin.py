@@ -134,6 +134,37 @@ def test_convert_pure_half_cpu():
     assert conv.blocks[1].attn.relative_position_bias_table.grad.dtype == torch.bfloat16
 
 
+def test_compiled_block_keeps_partition_for_inductor(monkeypatch):
+    """Compiled, a converted block partitions with torch ops (inductor fuses them) and still
+    runs the fused attention op; eager, it uses the gather ops."""
+    from aiak.ops import window_attention as wa
+
+    _, conv = _pair_models()
+    calls = {"partition": 0}
+    real = wa.roll_window_partition
+
+    def counting(*args, **kwargs):
+        calls["partition"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(swin, "roll_window_partition", counting)
+    x = torch.randn(2, 14, 14, 64)
+    conv(x)
+    assert calls["partition"] == 2
+    calls["partition"] = 0
+    gm_ops: list[str] = []
+
+    def backend(gm, inputs):
+        gm_ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    torch._dynamo.reset()
+    torch.compile(conv, fullgraph=True, backend=backend)(x)
+    assert calls["partition"] == 0
+    assert any("window_attention" in t for t in gm_ops)
+    assert not any("window_partition" in t for t in gm_ops)
+
+
 def test_torch_compile_cpu():
     ref, conv = _pair_models()
     x = torch.randn(2, 14, 14, 64)
