@@ -1,9 +1,10 @@
 """The one reader of aiak.comm's environment variables.
 
 AIAK_* / PERSEUS_* select and tune the hooks (:func:`parse_env`); ``GLOO_TIMEOUT_SECONDS``
-bounds every collective (:func:`gloo_timeout`); torchrun's ``GROUP_RANK`` /
-``LOCAL_WORLD_SIZE`` place ranks on nodes (:func:`node_key`, :func:`local_world_size`);
-``RANK`` names the rank in messages written before a process group exists (:func:`rank_label`).
+bounds every gloo collective (:func:`gloo_timeout`), ``AIAK_NCCL_TIMEOUT_SECONDS`` every NCCL
+one (:func:`nccl_timeout`; activation applies both to unchanged scripts: :func:`init_timeout`);
+torchrun's ``GROUP_RANK`` / ``LOCAL_WORLD_SIZE`` place ranks on nodes (:func:`node_key`,
+:func:`local_world_size`); ``RANK`` names the rank in messages written before a process group exists (:func:`rank_label`).
 
 Every variable is validated, used or not: a malformed value (``AIAK_FP16_COMPRESSION=yes``) or
 a contradiction (``AIAK_HIERARCHICAL_ALLREDUCE=1`` with ``PERSEUS_ALLREDUCE_MODE=0``) is a
@@ -24,7 +25,9 @@ __all__ = [
     "EnvConfig",
     "bucket_cap_mb",
     "gloo_timeout",
+    "init_timeout",
     "local_world_size",
+    "nccl_timeout",
     "node_key",
     "parse_env",
     "rank_label",
@@ -154,8 +157,8 @@ def parse_env(environ: Mapping[str, str] | None = None) -> EnvConfig:
             "a finite number > 0 (0.2: 20% over the median)",
         ),
     )
-    if "GLOO_TIMEOUT_SECONDS" in env:
-        gloo_timeout(env)
+    _seconds(env, "GLOO_TIMEOUT_SECONDS")
+    _seconds(env, NCCL_TIMEOUT_VARIABLE)
     dgc = _dgc_settings(env)
     if dgc is not None:
         cfg = dataclasses.replace(cfg, dgc=dgc)
@@ -302,22 +305,52 @@ def bucket_cap_mb(environ: Mapping[str, str] | None = None) -> float | None:
 MAX_TIMEOUT_SECONDS = 365 * 24 * 3600.0
 
 
-def gloo_timeout(environ: Mapping[str, str] | None = None) -> datetime.timedelta:
-    """The collective timeout from ``GLOO_TIMEOUT_SECONDS`` (default 60 s, as Perseus)."""
-    env = os.environ if environ is None else environ
-    raw = _get(env, "GLOO_TIMEOUT_SECONDS")
+NCCL_TIMEOUT_VARIABLE = "AIAK_NCCL_TIMEOUT_SECONDS"
+
+
+def _seconds(env: Mapping[str, str], name: str) -> datetime.timedelta | None:
+    raw = _get(env, name)
     if raw is None:
-        return datetime.timedelta(seconds=60)
+        return None
     try:
         seconds = float(raw)
     except ValueError:
         seconds = -1.0
     if not 1e-3 <= seconds <= MAX_TIMEOUT_SECONDS:  # also refuses nan and inf
         raise ValueError(
-            "GLOO_TIMEOUT_SECONDS must be a number of seconds from 0.001 to "
+            f"{name} must be a number of seconds from 0.001 to "
             f"{MAX_TIMEOUT_SECONDS:.0f} (a year), got {raw!r}"
         )
     return datetime.timedelta(seconds=seconds)
+
+
+def gloo_timeout(environ: Mapping[str, str] | None = None) -> datetime.timedelta:
+    """The collective timeout from ``GLOO_TIMEOUT_SECONDS`` (default 60 s, as Perseus)."""
+    env = os.environ if environ is None else environ
+    return _seconds(env, "GLOO_TIMEOUT_SECONDS") or datetime.timedelta(seconds=60)
+
+
+def nccl_timeout(environ: Mapping[str, str] | None = None) -> datetime.timedelta | None:
+    """NCCL's collective timeout from ``AIAK_NCCL_TIMEOUT_SECONDS``; ``None`` when unset."""
+    return _seconds(os.environ if environ is None else environ, NCCL_TIMEOUT_VARIABLE)
+
+
+def init_timeout(
+    backend: str | None, environ: Mapping[str, str] | None = None
+) -> datetime.timedelta | None:
+    """The ``timeout=`` that ``init_process_group(backend)`` gets under activation, from the
+    variables that are set: ``GLOO_TIMEOUT_SECONDS`` for gloo, ``AIAK_NCCL_TIMEOUT_SECONDS``
+    for NCCL, the shorter of the two for a backend naming both (``None``, torch's default
+    ``cpu:gloo,cuda:nccl``). ``None`` when none applies: torch's own default stays."""
+    env = os.environ if environ is None else environ
+    name = (backend or "gloo,nccl").lower()
+    found = []
+    if "gloo" in name:
+        found.append(_seconds(env, "GLOO_TIMEOUT_SECONDS"))
+    if "nccl" in name:
+        found.append(_seconds(env, NCCL_TIMEOUT_VARIABLE))
+    found = [t for t in found if t is not None]
+    return min(found) if found else None
 
 
 def _env_int(environ: Mapping[str, str], name: str, minimum: int) -> int | None:
