@@ -4,7 +4,8 @@ AIAK_* / PERSEUS_* select and tune the hooks (:func:`parse_env`); ``GLOO_TIMEOUT
 bounds every gloo collective (:func:`gloo_timeout`), ``AIAK_NCCL_TIMEOUT_SECONDS`` every NCCL
 one (:func:`nccl_timeout`; activation applies both to unchanged scripts: :func:`init_timeout`);
 torchrun's ``GROUP_RANK`` / ``LOCAL_WORLD_SIZE`` place ranks on nodes (:func:`node_key`,
-:func:`local_world_size`); ``RANK`` names the rank in messages written before a process group exists (:func:`rank_label`).
+:func:`local_world_size`); ``RANK`` names the rank in messages written before a process group
+exists (:func:`rank_label`).
 
 Every variable is validated, used or not: a malformed value (``AIAK_FP16_COMPRESSION=yes``) or
 a contradiction (``AIAK_HIERARCHICAL_ALLREDUCE=1`` with ``PERSEUS_ALLREDUCE_MODE=0``) is a

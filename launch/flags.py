@@ -188,9 +188,7 @@ def environment(args: argparse.Namespace, flags: Sequence[Flag] = FLAGS) -> dict
             raise ValueError(f"aiakrun: {f.option} needs {' or '.join(f.needs)}")
     missing = [f.option for f in flags if f.option in given and not f.available]
     if missing:
-        raise ValueError(
-            f"aiakrun: {', '.join(missing)}: not available in this version of aiak"
-        )
+        raise ValueError(f"aiakrun: {', '.join(missing)}: not available in this version of aiak")
     env: dict[str, str] = {}
     for f in flags:
         if f.option not in given:

@@ -246,9 +246,7 @@ def _parser(prog: str = "aiakrun") -> argparse.ArgumentParser:
         default=0,
         help="restarts of the whole worker group after a failure (default 0)",
     )
-    t.add_argument(
-        "--monitor-interval", "--monitor_interval", type=_positive_float, help="seconds"
-    )
+    t.add_argument("--monitor-interval", "--monitor_interval", type=_positive_float, help="seconds")
     t.add_argument("--master-port", "--master_port", type=_port, help="static rendezvous port")
     t.add_argument("--local-addr", "--local_addr", type=_nonempty, help="this node's address")
     _flags.add_arguments(p)
@@ -293,9 +291,7 @@ def build_env(
 ) -> dict[str, str]:
     """The variables every launched process gets on top of its host's environment."""
     env = {
-        k: v
-        for k, v in base.items()
-        if k.startswith(FORWARD_PREFIXES) and k not in NOT_FORWARDED
+        k: v for k, v in base.items() if k.startswith(FORWARD_PREFIXES) and k not in NOT_FORWARDED
     }
     env.update(feature_env)
     env["AIAK_AUTO"] = "1"
@@ -565,8 +561,7 @@ def _warnings(env: Mapping[str, str], nodes: int) -> list[str]:
         )
     if (env.get("AIAK_HIERARCHICAL_ALLREDUCE") or "0").strip() == "1" and nodes == 1:
         out.append(
-            "--hierarchical-allreduce on one node is a flat allreduce (two levels need two "
-            "nodes)"
+            "--hierarchical-allreduce on one node is a flat allreduce (two levels need two nodes)"
         )
     return out
 
@@ -640,8 +635,7 @@ def _nproc_of(args: argparse.Namespace) -> str:
     both = args.np is not None and args.nproc_per_node is not None
     if both and str(args.np) != args.nproc_per_node:
         raise ValueError(
-            f"aiakrun: -np {args.np} and --nproc-per-node {args.nproc_per_node} disagree "
-            "(give one)"
+            f"aiakrun: -np {args.np} and --nproc-per-node {args.nproc_per_node} disagree (give one)"
         )
     if args.np is not None and _node_count(args.nnodes) > 1:
         raise ValueError(
