@@ -196,3 +196,107 @@ def test_dgc_activation_swaps_sgd_links_momentum_and_restores():
     finally:
         comm_auto.deactivate()
     assert torch.optim.SGD is torch_sgd and DistributedSampler.set_epoch is set_epoch
+
+
+def test_init_wrapper_fills_backend_and_timeout_for_every_spelling(monkeypatch):
+    import datetime
+    import inspect
+
+    import torch.distributed.distributed_c10d as c10d
+
+    from aiak.launch import _boot
+
+    calls = []
+    signature = inspect.signature(dist.init_process_group)
+
+    def fake(*args, **kwargs):  # torch's signature, records what torch would get
+        calls.append(dict(signature.bind(*args, **kwargs).arguments))
+
+    fake.__signature__ = signature
+    monkeypatch.setattr(dist, "init_process_group", fake)
+    monkeypatch.setattr(c10d, "init_process_group", fake)
+    seven, three = datetime.timedelta(seconds=7), datetime.timedelta(seconds=3)
+    env = {"AIAK_BACKEND": "gloo", "GLOO_TIMEOUT_SECONDS": "7"}
+    try:
+        assert _boot._wrap_init(env) == (
+            "launch: init_process_group() defaults to gloo and times out after 7 s"
+        )
+        init = dist.init_process_group
+        assert c10d.init_process_group is init and init is not fake
+        init()
+        init("gloo")
+        init(backend="gloo")
+        init("gloo", "env://")
+        init(init_method="env://", world_size=2, rank=0)
+        init(device_id=torch.device("cpu"))
+        init(backend="nccl", timeout=three)
+        init(backend="nccl")
+        init(None, "tcp://h:1", None, 2, 0)
+        with pytest.raises(TypeError):
+            init(backend="gloo", no_such_argument=1)  # torch's own error, not the wrapper's
+    finally:
+        _boot.deactivate()
+    assert dist.init_process_group is fake
+    want = [
+        {"backend": "gloo", "timeout": seven},
+        {"backend": "gloo", "timeout": seven},
+        {"backend": "gloo", "timeout": seven},
+        {"backend": "gloo", "init_method": "env://", "timeout": seven},
+        {"backend": "gloo", "init_method": "env://", "world_size": 2, "rank": 0, "timeout": seven},
+        {"backend": "gloo", "device_id": torch.device("cpu"), "timeout": seven},
+        {"backend": "nccl", "timeout": three},
+        {"backend": "nccl"},  # no NCCL timeout set: torch's own default
+        {"backend": "gloo", "init_method": "tcp://h:1", "world_size": 2, "rank": 0,
+         "timeout": seven},
+    ]  # fmt: skip
+    assert calls == want
+
+
+def test_init_timeout_reads_the_backends_variable():
+    import datetime
+
+    from aiak.comm.env import init_timeout
+
+    s = datetime.timedelta(seconds=1)
+    env = {"GLOO_TIMEOUT_SECONDS": "9", "AIAK_NCCL_TIMEOUT_SECONDS": "4"}
+    assert init_timeout("gloo", env) == 9 * s
+    assert init_timeout("nccl", env) == 4 * s
+    assert init_timeout(None, env) == 4 * s  # torch's default names both: the shorter
+    assert init_timeout("cpu:gloo,cuda:nccl", {"GLOO_TIMEOUT_SECONDS": "9"}) == 9 * s
+    assert init_timeout("gloo", {}) is None and init_timeout("nccl", env | {"X": "1"}) == 4 * s
+    for bad in ("abc", "0", "nan", "-1", "inf"):
+        with pytest.raises(ValueError, match="AIAK_NCCL_TIMEOUT_SECONDS must be a number"):
+            init_timeout("nccl", {"AIAK_NCCL_TIMEOUT_SECONDS": bad})
+
+
+def test_malformed_backend_or_timeout_fails_at_activation():
+    from aiak.launch import _boot
+
+    with pytest.raises(ValueError, match="AIAK_BACKEND must be gloo or nccl"):
+        _boot._wrap_init({"AIAK_BACKEND": "mpi"})
+    with pytest.raises(ValueError, match="GLOO_TIMEOUT_SECONDS must be a number"):
+        _boot._wrap_init({"GLOO_TIMEOUT_SECONDS": "abc"})
+    assert "init" not in _boot._saved
+
+
+def test_uncaught_exception_goes_to_the_elastic_error_file(tmp_path):
+    error_file = tmp_path / "error.json"
+    env = clean_env(PYTHONPATH=str(SITE), AIAK_AUTO="1", TORCHELASTIC_ERROR_FILE=str(error_file))
+    code = "import torch\ndef f():\n    raise ValueError('from the script')\nf()\n"
+    out = run([sys.executable, "-c", code], env, limit=120)
+    assert out.returncode == 1 and "ValueError: from the script" in out.stdout
+    data = json.loads(error_file.read_text())["message"]
+    assert data["message"] == "ValueError: from the script"
+    assert "in f\n" in data["extraInfo"]["py_callstack"]
+    assert data["extraInfo"]["py_callstack"].endswith("ValueError: from the script\n")
+
+
+def test_child_processes_of_a_rank_activate_quietly():
+    env = clean_env(PYTHONPATH=str(SITE), AIAK_AUTO="1", RANK="0")
+    code = (
+        "import subprocess, sys\nimport torch\n"
+        "subprocess.run([sys.executable, '-c', 'import torch'], check=True, timeout=120)\n"
+    )
+    out = run([sys.executable, "-c", code], env, limit=240)
+    assert out.returncode == 0, out.stdout
+    assert out.stdout.count("[aiak rank 0] optim: torch.optim.LAMB is aiak's LAMB") == 1
