@@ -92,6 +92,9 @@ class EnvConfig:
     perf_margin: float = 0.2  # AIAK_PERF_CHECK_MARGIN: a rank this fraction over the median
     # AIAK_DGC=1: aiak.comm.dgc's keyword arguments from AIAK_DGC_* / AIAK_CLIP_GRAD_FUNC*
     dgc: tuple[tuple[str, Any], ...] | None = None
+    overlap: bool = False  # AIAK_OVERLAP_BACKWARD_AND_STEP: aiak.comm.overlap_step by activation
+    # with the overlap: ("norm" | "value", ((keyword, bound),)) from AIAK_CLIP_GRAD_FUNC*
+    clip: tuple[str, tuple[tuple[str, float], ...]] | None = None
 
 
 def parse_env(environ: Mapping[str, str] | None = None) -> EnvConfig:
@@ -160,7 +163,15 @@ def parse_env(environ: Mapping[str, str] | None = None) -> EnvConfig:
     )
     _seconds(env, "GLOO_TIMEOUT_SECONDS")
     _seconds(env, NCCL_TIMEOUT_VARIABLE)
-    dgc = _dgc_settings(env)
+    overlap = _flag(env, OVERLAP_VARIABLE)
+    dgc = _dgc_settings(env, overlap)
+    if overlap:
+        if dgc is not None:
+            raise ValueError(
+                f"{OVERLAP_VARIABLE}=1 with AIAK_DGC=1: activation does one or the other; for "
+                "both, call aiak.comm.overlap_step(model, optimizer, hook=aiak.comm.dgc(...))"
+            )
+        cfg = dataclasses.replace(cfg, overlap=True, clip=_clip(env))
     if dgc is not None:
         cfg = dataclasses.replace(cfg, dgc=dgc)
         others = [
@@ -248,14 +259,20 @@ _DGC_VARS: dict[str, tuple[str, Callable[[str], Any], Callable[[Any], bool], str
     ),
     "AIAK_DGC_MOMENTUM_MASKING": ("momentum_masking", int, *_BOOL),
 }
-_DGC_EXTRA = ("AIAK_DGC_WARMUP_COEFF", "AIAK_CLIP_GRAD_FUNC", "AIAK_CLIP_GRAD_FUNC_PARAMS")
+_CLIP_VARS = ("AIAK_CLIP_GRAD_FUNC", "AIAK_CLIP_GRAD_FUNC_PARAMS")
+_DGC_EXTRA = ("AIAK_DGC_WARMUP_COEFF", *_CLIP_VARS)
+OVERLAP_VARIABLE = "AIAK_OVERLAP_BACKWARD_AND_STEP"
 DGC_VARIABLES = ("AIAK_DGC", *_DGC_VARS, *_DGC_EXTRA)
 
 
-def _dgc_settings(env: Mapping[str, str]) -> tuple[tuple[str, Any], ...] | None:
-    """``AIAK_DGC=1``'s settings as ``dgc()`` keywords; its variables without it are errors."""
+def _dgc_settings(
+    env: Mapping[str, str], overlap: bool = False
+) -> tuple[tuple[str, Any], ...] | None:
+    """``AIAK_DGC=1``'s settings as ``dgc()`` keywords; its variables without it are errors
+    (the clipping's two also belong to the overlap, ``overlap``)."""
     on = _flag(env, "AIAK_DGC")
-    given = [k for k in (*_DGC_VARS, *_DGC_EXTRA) if _get(env, k) is not None]
+    shared = _CLIP_VARS if overlap else ()
+    given = [k for k in (*_DGC_VARS, *_DGC_EXTRA) if _get(env, k) is not None and k not in shared]
     if not on:
         if given:
             raise ValueError(f"{given[0]} is a DGC setting: it needs AIAK_DGC=1")
@@ -278,6 +295,15 @@ def _dgc_settings(env: Mapping[str, str]) -> tuple[tuple[str, Any], ...] | None:
                 f"(AIAK_DGC_WARMUP_EPOCHS={warm}), separated by spaces, got {raw!r}"
             )
         kw["warmup_coeff"] = coeff[0] if len(coeff) == 1 else tuple(coeff)
+    clip = _clip(env)
+    if clip is not None:
+        kw["clip_grad_func"], kw["clip_grad_func_params"] = clip
+    return tuple(sorted(kw.items()))
+
+
+def _clip(env: Mapping[str, str]) -> tuple[str, tuple[tuple[str, float], ...]] | None:
+    """``AIAK_CLIP_GRAD_FUNC`` / ``_PARAMS`` as ``(function, ((keyword, bound),))``: pairs, so
+    that the config stays hashable."""
     func = _get(env, "AIAK_CLIP_GRAD_FUNC")
     if func is not None and func not in ("norm", "value"):
         raise ValueError(f"AIAK_CLIP_GRAD_FUNC must be norm or value, got {func!r}")
@@ -289,11 +315,9 @@ def _dgc_settings(env: Mapping[str, str]) -> tuple[tuple[str, Any], ...] | None:
             "AIAK_CLIP_GRAD_FUNC and AIAK_CLIP_GRAD_FUNC_PARAMS go together (the clipping and "
             "its max norm / value)"
         )
-    if func is not None:
-        kw["clip_grad_func"] = func
-        key = {"norm": "max_norm", "value": "clip_value"}[func]
-        kw["clip_grad_func_params"] = ((key, bound),)  # pairs: the config stays hashable
-    return tuple(sorted(kw.items()))
+    if func is None:
+        return None
+    return func, (({"norm": "max_norm", "value": "clip_value"}[func], bound),)
 
 
 def bucket_cap_mb(environ: Mapping[str, str] | None = None) -> float | None:

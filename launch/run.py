@@ -547,23 +547,9 @@ def _run_multi(cmds: Sequence[tuple[Host, list[str]]]) -> int:
 
 def _warnings(env: Mapping[str, str], nodes: int) -> list[str]:
     """Settings that would change nothing for an unchanged script, said once, at start-up."""
-    out = []
-    if (env.get("PERSEUS_ACCUMULATE_N_STEPS") or "1").strip() not in ("", "1"):
-        out.append(
-            "PERSEUS_ACCUMULATE_N_STEPS (--accumulate-n-steps) applies to scripts that use "
-            "aiak.comm.accumulate; an unchanged script steps and communicates every backward"
-        )
-    if (env.get("AIAK_POWERSGD_COMPRESSION") or "0").strip() == "1":
-        start = (env.get("AIAK_START_COMPRESS_ITER") or "1000").strip()
-        out.append(
-            f"PowerSGD compresses from step {start} (--start-compress-iter); the steps before "
-            "send dense gradients"
-        )
-    if (env.get("AIAK_HIERARCHICAL_ALLREDUCE") or "0").strip() == "1" and nodes == 1:
-        out.append(
-            "--hierarchical-allreduce on one node is a flat allreduce (two levels need two nodes)"
-        )
-    return out
+    from aiak.comm.auto import notices
+
+    return notices(env, nodes)
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "aiakrun") -> int:

@@ -372,4 +372,4 @@ def test_silent_settings_warn_once_at_start_up(capsys):
     assert "--rank is deprecated" in err[0]
     assert "PERSEUS_ACCUMULATE_N_STEPS" in err[1] and "aiak.comm.accumulate" in err[1]
     assert "PowerSGD compresses from step 1000" in err[2]
-    assert "--hierarchical-allreduce on one node is a flat allreduce" in err[3]
+    assert "(--hierarchical-allreduce) on one node is a flat allreduce" in err[3]
