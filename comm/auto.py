@@ -108,12 +108,12 @@ def activate(environ: Mapping[str, str] | None = None) -> list[str]:
     if _saved:
         return []
     _wrap_destroy()
-    if not names:
-        return []
     if _rank0() and not env.get("AIAK_BACKEND"):  # aiakrun (which sets it) said them already
         nodes = env.get("GROUP_WORLD_SIZE", "")
         for line in notices(env, int(nodes) if nodes.isdigit() else None):
             logger.warning("%s", line)
+    if not names:
+        return []
     if parse_env(env).dgc is not None:
         if (env.get("AIAK_FUSED_OPTIMIZER") or "0").strip() == "1":
             _unwrap_destroy()

@@ -28,6 +28,7 @@ __all__ = ["FEATURES", "activate", "boot", "deactivate", "enabled"]
 FEATURES = ("aiak.comm.auto", "aiak.optim.auto", "aiak.amp.auto")
 
 _activated: list[str] = []  # feature modules activated, in order
+_started_by_activated: list[bool] = []  # set by boot(): see _descendant()
 
 
 def enabled(environ: Mapping[str, str] | None = None) -> bool:
@@ -58,7 +59,7 @@ def _setup_logging() -> None:
     handler.setFormatter(logging.Formatter(f"[aiak rank {_rank()}] %(message)s"))
     root.addHandler(handler)
     # Rank 0 tells what is on; the other ranks and their child processes only warn.
-    quiet = _descendant() or _rank() != "0"
+    quiet = any(_started_by_activated) or _rank() != "0"
     root.setLevel(logging.WARNING if quiet else logging.INFO)
     root.propagate = False
 
@@ -249,6 +250,8 @@ def boot() -> None:
     """Activate now if torch is loaded, else when it is; nothing without ``AIAK_AUTO=1``."""
     if not enabled():
         return
+    if not _started_by_activated:
+        _started_by_activated.append(_descendant())
     if "torch" in sys.modules:
         activate()
     elif not any(isinstance(f, _AfterTorch) for f in sys.meta_path):

@@ -300,3 +300,98 @@ def test_child_processes_of_a_rank_activate_quietly():
     out = run([sys.executable, "-c", code], env, limit=240)
     assert out.returncode == 0, out.stdout
     assert out.stdout.count("[aiak rank 0] optim: torch.optim.LAMB is aiak's LAMB") == 1
+
+
+def test_overlap_variables_parse_and_conflict():
+    from aiak.comm.env import parse_env
+
+    cfg = parse_env(
+        {
+            "AIAK_OVERLAP_BACKWARD_AND_STEP": "1",
+            "AIAK_CLIP_GRAD_FUNC": "value",
+            "AIAK_CLIP_GRAD_FUNC_PARAMS": "0.5",
+        }
+    )
+    assert cfg.overlap and cfg.clip == ("value", (("clip_value", 0.5),)) and cfg.dgc is None
+    assert parse_env({"AIAK_OVERLAP_BACKWARD_AND_STEP": "1"}).clip is None
+    with pytest.raises(ValueError, match="is a DGC setting"):  # clipping without its feature
+        parse_env({"AIAK_CLIP_GRAD_FUNC": "norm", "AIAK_CLIP_GRAD_FUNC_PARAMS": "1"})
+    with pytest.raises(ValueError, match="AIAK_OVERLAP_BACKWARD_AND_STEP=1 with AIAK_DGC=1"):
+        parse_env({"AIAK_OVERLAP_BACKWARD_AND_STEP": "1", "AIAK_DGC": "1"})
+    with pytest.raises(ValueError, match="AIAK_OVERLAP_BACKWARD_AND_STEP must be 0 or 1"):
+        parse_env({"AIAK_OVERLAP_BACKWARD_AND_STEP": "yes"})
+    with pytest.raises(ValueError, match="go together"):
+        parse_env({"AIAK_OVERLAP_BACKWARD_AND_STEP": "1", "AIAK_CLIP_GRAD_FUNC": "norm"})
+
+
+def _world_of_one():
+    import datetime
+
+    dist.init_process_group(
+        "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=30)
+    )
+
+
+def test_overlap_activation_steps_in_backward_and_restores():
+    from torch import nn
+
+    from aiak.comm import auto
+
+    optimizer_init = torch.optim.Optimizer.__init__
+    _world_of_one()
+    try:
+        auto.activate({"AIAK_OVERLAP_BACKWARD_AND_STEP": "1"})
+        try:
+            torch.manual_seed(0)
+            model = nn.parallel.DistributedDataParallel(nn.Linear(4, 3))
+            ref = nn.Linear(4, 3)
+            ref.load_state_dict(model.module.state_dict())
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+            for _ in range(3):
+                x = torch.randn(5, 4)
+                opt.zero_grad()
+                model(x).square().sum().backward()  # the overlap steps here
+                opt.step()  # ...and this does nothing
+                ref_opt.zero_grad()
+                ref(x).square().sum().backward()
+                ref_opt.step()
+            for p, q in zip(model.module.parameters(), ref.parameters()):
+                torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+            with pytest.raises(ValueError, match=r"optimizer.step\(closure\) cannot run"):
+                opt.step(lambda: 0.0)
+            lonely = nn.parallel.DistributedDataParallel(nn.Linear(2, 2))
+            with pytest.raises(ValueError, match="no optimizer holds exactly"):
+                lonely(torch.randn(1, 2))
+        finally:
+            auto.deactivate()
+        assert torch.optim.Optimizer.__init__ is optimizer_init
+        del model, lonely
+    finally:
+        dist.destroy_process_group()
+
+
+def test_notices_for_settings_that_change_nothing():
+    from aiak.comm.auto import notices
+
+    assert notices({}, 1) == []
+    env = {
+        "PERSEUS_ACCUMULATE_N_STEPS": "4",
+        "AIAK_POWERSGD_COMPRESSION": "1",
+        "AIAK_START_COMPRESS_ITER": "50",
+        "AIAK_HIERARCHICAL_ALLREDUCE": "1",
+    }
+    said = notices(env, 1)
+    assert len(said) == 3
+    assert "aiak.comm.accumulate" in said[0] and "from step 50" in said[1]
+    assert "on one node is a flat allreduce" in said[2]
+    assert len(notices(env, 2)) == 2 and len(notices(env, None)) == 2
+
+
+def test_rank_0_activation_says_the_notices_once_without_aiakrun():
+    env = clean_env(PYTHONPATH=str(SITE), AIAK_AUTO="1", RANK="0", PERSEUS_ACCUMULATE_N_STEPS="4")
+    out = run([sys.executable, "-c", "import torch"], env, limit=120)
+    assert out.returncode == 0, out.stdout
+    assert out.stdout.count("PERSEUS_ACCUMULATE_N_STEPS=4 (--accumulate-n-steps)") == 1
+    out = run([sys.executable, "-c", "import torch"], {**env, "RANK": "1"}, limit=120)
+    assert "PERSEUS_ACCUMULATE_N_STEPS" not in out.stdout
