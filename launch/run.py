@@ -41,7 +41,8 @@ DEFAULT_PORT = 6666
 DEFAULT_REMOTE_SHELL = "ssh -o BatchMode=yes {host}"
 FORWARD_PREFIXES = ("AIAK_", "PERSEUS_", "NCCL_", "GLOO_", "TORCH_", "OMP_")
 # Per-process marks that must not leak from aiakrun's own environment into the workers.
-NOT_FORWARDED = ("AIAK_BOOTED_PID",)
+SAID = "AIAK_LAUNCH_NOTICES_SAID"  # set for the hosts' nodes of an -H launch only
+NOT_FORWARDED = ("AIAK_BOOTED_PID", SAID)
 LOCAL_NAMES = ("localhost", "127.0.0.1")
 # torchrun's options that make this launch one node of a job (a scheduler's per-node launch).
 NODE_OPTIONS = (
@@ -602,9 +603,9 @@ def _launch(args: argparse.Namespace) -> int:
     else:
         nproc = _nproc_of(args)
     command = resolve_command(command, args.python)
-    nodes = _node_count(args.nnodes)
-    for line in _warnings({**os.environ, **env}, nodes):
-        print(f"aiakrun: warning: {line}", file=sys.stderr)
+    if not os.environ.get(SAID):  # a host's node of an -H launch: said on the first machine
+        for line in _warnings({**os.environ, **env}, _node_count(args.nnodes)):
+            print(f"aiakrun: warning: {line}", file=sys.stderr)
     port = os.environ.get("PERSEUS_MASTER_PORT")
     torch_args = torchrun_args(args, nproc, int(port) if port else None)
     if args.dry_run:
@@ -647,7 +648,7 @@ def _launch_hosts(
     cmds = host_commands(
         hosts,
         command,
-        env,
+        {**env, SAID: "1"},
         args.remote_shell,
         args.python,
         master,

@@ -1,7 +1,7 @@
 """Initializes the process group with the spelling named by ``SPELLING`` and checks an
 all-reduce; rank 0 prints ``ok SPELLING backend=... world=...``. One spelling per launch: a
 second init in one process would read the first one's addresses from the launcher's store.
-``device_id`` needs a CUDA device and NCCL."""
+``nccl_keyword`` and ``device_id`` need a CUDA device per rank and NCCL."""
 
 import datetime
 import os
@@ -26,6 +26,9 @@ def init(spelling: str) -> None:
         dist.init_process_group(backend="gloo", timeout=datetime.timedelta(seconds=42))
     elif spelling == "imported_before":
         init_process_group(backend="gloo", world_size=int(os.environ["WORLD_SIZE"]))
+    elif spelling == "nccl_keyword":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group(backend="nccl")
     elif spelling == "device_id":
         local = int(os.environ["LOCAL_RANK"])
         torch.cuda.set_device(local)

@@ -147,6 +147,7 @@ def test_dry_run_two_hosts(capsys, monkeypatch):
         assert "AIAK_BACKEND=gloo" in remote and "GLOO_SOCKET_IFNAME=eth1" in remote
         assert f"PYTHONPATH={run.SITE_DIR}" in remote
         assert not [a for a in remote if a.startswith("AIAK_BOOTED_PID")]
+        assert "AIAK_LAUNCH_NOTICES_SAID=1" in remote  # the hosts' nodes do not repeat them
         i = remote.index("aiak.launch.run")  # each host runs aiakrun as its node
         assert remote[i - 1] == "-m"
         tail = remote[i + 1 :]
@@ -361,6 +362,13 @@ def test_torchrun_options_pass_through():
 def test_launch_shape_errors(argv, message, capsys):
     assert main([*argv, "--gloo", "--dry-run", "--", "python", "x.py"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_hosts_node_does_not_repeat_the_notices(capsys, monkeypatch):
+    monkeypatch.setenv(run.SAID, "1")
+    argv = ["-np", "2", "--gloo", "--dry-run", "--accumulate-n-steps", "4"]
+    assert main([*argv, "--", "python", "x.py"]) == 0
+    assert capsys.readouterr().err == ""
 
 
 def test_silent_settings_warn_once_at_start_up(capsys):

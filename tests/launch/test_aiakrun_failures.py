@@ -45,6 +45,19 @@ def test_init_spellings_under_aiakrun(spelling):
     assert f"ok {spelling} backend=gloo world=2" in out.stdout
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("spelling", ["nccl_keyword", "device_id"])
+def test_nccl_spellings_on_gpus(spelling):
+    import torch
+
+    n = min(torch.cuda.device_count(), 2)
+    env = clean_env(SPELLING=spelling, AIAK_NCCL_TIMEOUT_SECONDS="120")
+    out = run([*AIAKRUN, "-np", str(n), "--nccl", "--", PY, str(HERE / "_init.py")], env)
+    assert out.returncode == 0, out.stdout[-4000:]
+    assert f"ok {spelling} backend=nccl world={n}" in out.stdout
+    assert "init_process_group() defaults to nccl and times out after 120 s" in out.stdout
+
+
 def test_keyword_backend_under_torchrun_with_auto():
     env = clean_env(SPELLING="keyword", AIAK_AUTO="1", PYTHONPATH=str(ROOT / "launch" / "_site"))
     argv = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
