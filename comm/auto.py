@@ -31,7 +31,7 @@ from .env import DGC_VARIABLES, OVERLAP_VARIABLE, EnvConfig, parse_env
 from .lifecycle import shutdown
 from .overlap import overlap_step
 
-__all__ = ["activate", "active", "check", "deactivate", "notices"]
+__all__ = ["activate", "active", "check", "deactivate", "notices", "optimizer_builders"]
 
 logger = logging.getLogger("aiak.comm")
 
@@ -70,6 +70,17 @@ def _asked(env: Mapping[str, str]) -> list[str]:
     if not asks:
         return []
     return [f"{k}={env[k]}" for k in VARIABLES if k in env]
+
+
+def optimizer_builders(
+    environ: Mapping[str, str] | None = None,
+) -> dict[str, tuple[str, Any, tuple[type, ...]]]:
+    """``torch.optim`` name -> (the variable, builder from torch's optimizer, its classes):
+    with ``AIAK_DGC=1``, ``torch.optim.SGD`` is built as ``DGCSGD`` (the launcher's start-up
+    hook does the swap)."""
+    if parse_env(os.environ if environ is None else environ).dgc is None:
+        return {}
+    return {"SGD": ("AIAK_DGC", _dgc_auto.build_sgd, (_dgc_auto.DGCSGD,))}
 
 
 def notices(environ: Mapping[str, str], nodes: int | None) -> list[str]:

@@ -73,6 +73,19 @@ def activate(environ: Mapping[str, str] | None = None) -> list[str]:
     _setup_logging()
     logger = logging.getLogger("aiak.launch")
     lines: list[str] = []
+    builders: dict[str, tuple[str, str, Any, tuple[type, ...]]] = {}
+    for name in FEATURES:
+        if name in _activated:
+            continue
+        module = importlib.import_module(name)
+        wanted = module.optimizer_builders(env) if hasattr(module, "optimizer_builders") else {}
+        for torch_name, builder in wanted.items():
+            if torch_name in builders:
+                raise ValueError(
+                    f"{builders[torch_name][1]} and {builder[0]} both build torch.optim."
+                    f"{torch_name}: switch one of the two off"
+                )
+            builders[torch_name] = (name.split(".")[1], *builder)
     for name in FEATURES:
         if name in _activated:
             continue
@@ -80,6 +93,7 @@ def activate(environ: Mapping[str, str] | None = None) -> list[str]:
         done = module.activate(env)
         _activated.append(name)
         lines.extend(done)
+    _swap_optimizers(builders)
     lines.append(_wrap_init(env))
     _record_errors(env)
     for line in filter(None, lines):
@@ -89,9 +103,10 @@ def activate(environ: Mapping[str, str] | None = None) -> list[str]:
 
 def deactivate() -> None:
     """Undo every subpackage's activation, last first, and the launcher's own wraps."""
+    _restore_optimizers()
     while _activated:
         sys.modules[_activated.pop()].deactivate()
-    if _saved:
+    if "init" in _saved:
         import torch.distributed as dist
         import torch.distributed.distributed_c10d as c10d
 
@@ -101,6 +116,80 @@ def deactivate() -> None:
 
 
 _saved: dict[str, Any] = {}  # what the launcher's wraps replaced, while they are on
+_torch_optimizers: dict[str, type] = {}  # torch.optim name -> torch's class, while swapped
+
+
+class _Swap(type):
+    """Metaclass of the stand-ins bound to ``torch.optim.<name>`` while a feature builds that
+    optimizer its own way (``AIAK_FUSED_OPTIMIZER``: the fused twin; ``AIAK_DGC``: DGCSGD).
+
+    The one swap of torch's optimizer classes: constructing the stand-in builds torch's
+    optimizer as written, then hands it to the feature's builder; ``isinstance(opt,
+    torch.optim.SGD)`` holds for what the builder returns; a user's subclass of the stand-in is
+    built as written (its own ``step``); a name imported before activation keeps torch's class
+    (activation runs when torch finishes importing, before the user's code)."""
+
+    _torch: type
+    _build: Any
+    _products: tuple[type, ...]
+    _feature: str
+    _said: bool
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if not vars(cls).get("_stand_in", False):  # a user's subclass of the stand-in
+            return super().__call__(*args, **kwargs)
+        built = cls._build(cls._torch(*args, **kwargs))
+        if not cls._said:
+            import logging
+
+            cls._said = True  # once per name
+            logging.getLogger("aiak.launch").info(
+                "%s: torch.optim.%s built as aiak %s",
+                cls._feature,
+                cls._torch.__name__,
+                type(built).__name__,
+            )
+        return built
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        if vars(cls).get("_stand_in", False):
+            return isinstance(obj, (cls._torch, *cls._products))
+        return super().__instancecheck__(obj)
+
+
+def _swap_optimizers(builders: Mapping[str, tuple[str, str, Any, tuple[type, ...]]]) -> None:
+    """Bind each named ``torch.optim`` class to a stand-in that builds it through its feature's
+    builder: ``name -> (feature, variable, build(torch_optimizer) -> optimizer, the classes it
+    builds)``."""
+    import torch
+
+    for name, (feature, _variable, build, products) in builders.items():
+        if name in _torch_optimizers:
+            continue
+        torch_cls = getattr(torch.optim, name)
+        _torch_optimizers[name] = torch_cls
+        stand_in = _Swap(
+            name,
+            (torch_cls,),
+            {
+                "_torch": torch_cls,
+                "_stand_in": True,
+                "_build": staticmethod(build),
+                "_products": products,
+                "_feature": feature,
+                "_said": False,
+                "__module__": torch_cls.__module__,
+            },
+        )
+        setattr(torch.optim, name, stand_in)
+
+
+def _restore_optimizers() -> None:
+    import torch
+
+    while _torch_optimizers:
+        name, torch_cls = _torch_optimizers.popitem()
+        setattr(torch.optim, name, torch_cls)
 
 
 def _wrap_init(env: Mapping[str, str]) -> str:

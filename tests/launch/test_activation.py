@@ -115,11 +115,18 @@ def test_fused_swap_keeps_groups_and_takes_torch_state(name):
 
     for s in range(3):  # a torch run with state...
         step(ref, ref_p, s)
-    try:
-        auto.activate({"AIAK_FUSED_OPTIMIZER": "1"}, lamb=False)
+    from aiak.launch import _boot
+
+    builders = auto.optimizer_builders({"AIAK_FUSED_OPTIMIZER": "1"})
+    assert auto.optimizer_builders({}) == {}
+    try:  # the start-up hook's one swap, with optim's builders
+        _boot._swap_optimizers({n: ("optim", *b) for n, b in builders.items()})
         opt = getattr(torch.optim, name)(p, **kw)
+        assert isinstance(opt, getattr(torch.optim, name))
     finally:
-        auto.deactivate()
+        _boot._restore_optimizers()
+    assert getattr(torch.optim, name).__module__.startswith("torch.optim.")
+    assert type(getattr(torch.optim, name)) is type
     assert type(opt).__name__ == f"Fused{'SGD' if name == 'SGD' else name}"
     assert opt.param_groups[0]["lr"] == 0.01 and opt.param_groups[0]["weight_decay"] == 0.01
     with torch.no_grad():
@@ -169,13 +176,19 @@ def test_dgc_activation_swaps_sgd_links_momentum_and_restores():
     from aiak import comm
     from aiak.comm import _dgc_auto
     from aiak.comm import auto as comm_auto
+    from aiak.launch import _boot
 
     torch_sgd, set_epoch = torch.optim.SGD, DistributedSampler.set_epoch
     env = {"AIAK_DGC": "1", "AIAK_DGC_COMPRESS_RATIO": "0.01"}
     with pytest.raises(ValueError, match="contradicts AIAK_FUSED_OPTIMIZER"):
         comm_auto.activate({**env, "AIAK_FUSED_OPTIMIZER": "1"})
-    assert torch.optim.SGD is torch_sgd
-    assert comm_auto.activate(env)
+    with pytest.raises(
+        ValueError, match=r"AIAK_DGC and AIAK_FUSED_OPTIMIZER both build torch\.optim\.SGD"
+    ):
+        _boot.activate({**env, "AIAK_FUSED_OPTIMIZER": "1"})  # one swap per torch class
+    _boot.deactivate()
+    assert torch.optim.SGD is torch_sgd and not comm_auto.active()
+    assert _boot.activate(env)  # the one patch module: comm's activation and the SGD swap
     try:
         model = torch.nn.Linear(4, 4)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.6, weight_decay=1e-4)
@@ -194,7 +207,7 @@ def test_dgc_activation_swaps_sgd_links_momentum_and_restores():
         sampler.set_epoch(3)
         assert sampler.epoch == 3 and hook.state.epoch == 3 and late.state.epoch == 3
     finally:
-        comm_auto.deactivate()
+        _boot.deactivate()
     assert torch.optim.SGD is torch_sgd and DistributedSampler.set_epoch is set_epoch
 
 
