@@ -2,10 +2,9 @@
 
 AIAK_* / PERSEUS_* select and tune the hooks (:func:`parse_env`); ``GLOO_TIMEOUT_SECONDS``
 bounds every gloo collective (:func:`gloo_timeout`), ``AIAK_NCCL_TIMEOUT_SECONDS`` every NCCL
-one (:func:`nccl_timeout`; activation applies both to unchanged scripts: :func:`init_timeout`);
-torchrun's ``GROUP_RANK`` / ``LOCAL_WORLD_SIZE`` place ranks on nodes (:func:`node_key`,
-:func:`local_world_size`); ``RANK`` names the rank in messages written before a process group
-exists (:func:`rank_label`).
+one (both applied to unchanged scripts: :func:`init_timeout`); torchrun's ``GROUP_RANK`` /
+``LOCAL_WORLD_SIZE`` place ranks on nodes (:func:`node_key`, :func:`local_world_size`);
+``RANK`` names the rank in messages written before a process group exists (:func:`rank_label`).
 
 Every variable is validated, used or not: a malformed value (``AIAK_FP16_COMPRESSION=yes``) or
 a contradiction (``AIAK_HIERARCHICAL_ALLREDUCE=1`` with ``PERSEUS_ALLREDUCE_MODE=0``) is a
@@ -28,7 +27,6 @@ __all__ = [
     "gloo_timeout",
     "init_timeout",
     "local_world_size",
-    "nccl_timeout",
     "node_key",
     "parse_env",
     "rank_label",
@@ -302,8 +300,7 @@ def _dgc_settings(
 
 
 def _clip(env: Mapping[str, str]) -> tuple[str, tuple[tuple[str, float], ...]] | None:
-    """``AIAK_CLIP_GRAD_FUNC`` / ``_PARAMS`` as ``(function, ((keyword, bound),))``: pairs, so
-    that the config stays hashable."""
+    """``AIAK_CLIP_GRAD_FUNC`` / ``_PARAMS`` as ``(function, ((keyword, bound),))`` (hashable)."""
     func = _get(env, "AIAK_CLIP_GRAD_FUNC")
     if func is not None and func not in ("norm", "value"):
         raise ValueError(f"AIAK_CLIP_GRAD_FUNC must be norm or value, got {func!r}")
@@ -328,8 +325,6 @@ def bucket_cap_mb(environ: Mapping[str, str] | None = None) -> float | None:
 # The longest timeout accepted: a year. gloo keeps it in milliseconds and timedelta refuses
 # values past ~2.7e6 years, so larger numbers (1e20, inf) could only overflow somewhere deeper.
 MAX_TIMEOUT_SECONDS = 365 * 24 * 3600.0
-
-
 NCCL_TIMEOUT_VARIABLE = "AIAK_NCCL_TIMEOUT_SECONDS"
 
 
@@ -355,11 +350,6 @@ def gloo_timeout(environ: Mapping[str, str] | None = None) -> datetime.timedelta
     return _seconds(env, "GLOO_TIMEOUT_SECONDS") or datetime.timedelta(seconds=60)
 
 
-def nccl_timeout(environ: Mapping[str, str] | None = None) -> datetime.timedelta | None:
-    """NCCL's collective timeout from ``AIAK_NCCL_TIMEOUT_SECONDS``; ``None`` when unset."""
-    return _seconds(os.environ if environ is None else environ, NCCL_TIMEOUT_VARIABLE)
-
-
 def init_timeout(
     backend: str | None, environ: Mapping[str, str] | None = None
 ) -> datetime.timedelta | None:
@@ -369,12 +359,8 @@ def init_timeout(
     ``cpu:gloo,cuda:nccl``). ``None`` when none applies: torch's own default stays."""
     env = os.environ if environ is None else environ
     name = (backend or "gloo,nccl").lower()
-    found = []
-    if "gloo" in name:
-        found.append(_seconds(env, "GLOO_TIMEOUT_SECONDS"))
-    if "nccl" in name:
-        found.append(_seconds(env, NCCL_TIMEOUT_VARIABLE))
-    found = [t for t in found if t is not None]
+    pairs = (("gloo", "GLOO_TIMEOUT_SECONDS"), ("nccl", NCCL_TIMEOUT_VARIABLE))
+    found = [t for key, var in pairs if key in name and (t := _seconds(env, var)) is not None]
     return min(found) if found else None
 
 
