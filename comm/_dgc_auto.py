@@ -3,8 +3,9 @@
 DGC keeps the gradient's momentum in its memory, so its optimizer must be SGD with momentum on
 weight decay only (:class:`DGCSGD`). While active:
 
-* ``torch.optim.SGD`` is bound to a stand-in whose construction returns
-  ``DGCSGD.from_optimizer(torch.optim.SGD(...))`` (``isinstance(opt, torch.optim.SGD)`` holds);
+* ``torch.optim.SGD(...)`` returns ``DGCSGD.from_optimizer(torch.optim.SGD(...))``
+  (:func:`build_sgd`, through the launcher's one swap of torch's optimizer classes, in
+  ``aiak.launch._boot``; ``isinstance(opt, torch.optim.SGD)`` holds);
 * each DDP model registers the environment's DGC hook, which refuses to exchange gradients
   until an SGD over the model's parameters is linked to it (its momentum is the SGD's), in
   whichever order the script builds the two;
@@ -13,8 +14,6 @@ weight decay only (:class:`DGCSGD`). While active:
 
 from __future__ import annotations
 
-import logging
-import os
 import weakref
 from typing import Any
 
@@ -24,47 +23,25 @@ from torch.utils.data.distributed import DistributedSampler
 from ._base import CommHook
 from .dgc import DGCSGD, _dgc_states, link_dgc_optimizer
 
-logger = logging.getLogger("aiak.comm")
-
-_saved: dict[str, Any] = {}  # "SGD" -> torch's class, "set_epoch" -> the sampler's method
+_saved: dict[str, Any] = {}  # "set_epoch" -> the sampler's method, while active
 # [DDP model (weak), its DGC hook, linked yet]: hook states have __slots__ and no weakref
 _models: list[list[Any]] = []
-_optimizers: list[weakref.ref] = []  # DGCSGDs built by the stand-in
+_optimizers: list[weakref.ref] = []  # DGCSGDs built by build_sgd
 
 
-class _SGDSwap(type):
-    _torch: type
-
-    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        if not vars(cls).get("_stand_in", False):  # a user's subclass: built as written
-            return super().__call__(*args, **kwargs)
-        opt = DGCSGD.from_optimizer(cls._torch(*args, **kwargs))
-        if os.environ.get("RANK", "0") == "0" and not _saved.get("logged"):
-            _saved["logged"] = True
-            logger.info("comm: torch.optim.SGD built as aiak DGCSGD (momentum in DGC's memory)")
-        _optimizers.append(weakref.ref(opt))
-        _link()
-        return opt
-
-    def __instancecheck__(cls, obj: Any) -> bool:
-        if vars(cls).get("_stand_in", False):
-            return isinstance(obj, (cls._torch, DGCSGD))
-        return super().__instancecheck__(obj)
+def build_sgd(sgd: torch.optim.SGD) -> DGCSGD:
+    """What ``torch.optim.SGD(...)`` builds while DGC is active: ``DGCSGD`` from torch's SGD
+    (the launcher's one optimizer swap calls it), linked to its DDP model's DGC hook."""
+    opt = DGCSGD.from_optimizer(sgd)
+    _optimizers.append(weakref.ref(opt))
+    _link()
+    return opt
 
 
 def activate() -> None:
+    """``DistributedSampler.set_epoch`` also sets DGC's epoch. Idempotent."""
     if _saved:
         return
-    if isinstance(torch.optim.SGD, _SGDSwap) or type(torch.optim.SGD) is not type:
-        raise ValueError(
-            "AIAK_DGC=1: torch.optim.SGD is already replaced (AIAK_FUSED_OPTIMIZER=1?); DGC "
-            "needs its own SGD: switch one of the two off"
-        )
-    torch_sgd = torch.optim.SGD
-    _saved["SGD"] = torch_sgd
-    torch.optim.SGD = _SGDSwap(  # type: ignore[misc]
-        "SGD", (torch_sgd,), {"_torch": torch_sgd, "_stand_in": True, "__module__": "torch.optim"}
-    )
     set_epoch = DistributedSampler.set_epoch
     _saved["set_epoch"] = set_epoch
 
@@ -80,7 +57,6 @@ def activate() -> None:
 def deactivate() -> None:
     if not _saved:
         return
-    torch.optim.SGD = _saved.pop("SGD")  # type: ignore[misc]
     DistributedSampler.set_epoch = _saved.pop("set_epoch")  # type: ignore[method-assign]
     _saved.clear()
     _models.clear()

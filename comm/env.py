@@ -1,7 +1,8 @@
 """The one reader of aiak.comm's environment variables.
 
 AIAK_* / PERSEUS_* select and tune the hooks (:func:`parse_env`); ``GLOO_TIMEOUT_SECONDS``
-bounds every collective (:func:`gloo_timeout`); torchrun's ``GROUP_RANK`` /
+bounds every gloo collective (:func:`gloo_timeout`), ``AIAK_NCCL_TIMEOUT_SECONDS`` every NCCL
+one (both applied to unchanged scripts: :func:`init_timeout`); torchrun's ``GROUP_RANK`` /
 ``LOCAL_WORLD_SIZE`` place ranks on nodes (:func:`node_key`, :func:`local_world_size`);
 ``RANK`` names the rank in messages written before a process group exists (:func:`rank_label`).
 
@@ -24,6 +25,7 @@ __all__ = [
     "EnvConfig",
     "bucket_cap_mb",
     "gloo_timeout",
+    "init_timeout",
     "local_world_size",
     "node_key",
     "parse_env",
@@ -88,6 +90,9 @@ class EnvConfig:
     perf_margin: float = 0.2  # AIAK_PERF_CHECK_MARGIN: a rank this fraction over the median
     # AIAK_DGC=1: aiak.comm.dgc's keyword arguments from AIAK_DGC_* / AIAK_CLIP_GRAD_FUNC*
     dgc: tuple[tuple[str, Any], ...] | None = None
+    overlap: bool = False  # AIAK_OVERLAP_BACKWARD_AND_STEP: aiak.comm.overlap_step by activation
+    # with the overlap: ("norm" | "value", ((keyword, bound),)) from AIAK_CLIP_GRAD_FUNC*
+    clip: tuple[str, tuple[tuple[str, float], ...]] | None = None
 
 
 def parse_env(environ: Mapping[str, str] | None = None) -> EnvConfig:
@@ -154,9 +159,17 @@ def parse_env(environ: Mapping[str, str] | None = None) -> EnvConfig:
             "a finite number > 0 (0.2: 20% over the median)",
         ),
     )
-    if "GLOO_TIMEOUT_SECONDS" in env:
-        gloo_timeout(env)
-    dgc = _dgc_settings(env)
+    _seconds(env, "GLOO_TIMEOUT_SECONDS")
+    _seconds(env, NCCL_TIMEOUT_VARIABLE)
+    overlap = _flag(env, OVERLAP_VARIABLE)
+    dgc = _dgc_settings(env, overlap)
+    if overlap:
+        if dgc is not None:
+            raise ValueError(
+                f"{OVERLAP_VARIABLE}=1 with AIAK_DGC=1: activation does one or the other; for "
+                "both, call aiak.comm.overlap_step(model, optimizer, hook=aiak.comm.dgc(...))"
+            )
+        cfg = dataclasses.replace(cfg, overlap=True, clip=_clip(env))
     if dgc is not None:
         cfg = dataclasses.replace(cfg, dgc=dgc)
         others = [
@@ -244,14 +257,20 @@ _DGC_VARS: dict[str, tuple[str, Callable[[str], Any], Callable[[Any], bool], str
     ),
     "AIAK_DGC_MOMENTUM_MASKING": ("momentum_masking", int, *_BOOL),
 }
-_DGC_EXTRA = ("AIAK_DGC_WARMUP_COEFF", "AIAK_CLIP_GRAD_FUNC", "AIAK_CLIP_GRAD_FUNC_PARAMS")
+_CLIP_VARS = ("AIAK_CLIP_GRAD_FUNC", "AIAK_CLIP_GRAD_FUNC_PARAMS")
+_DGC_EXTRA = ("AIAK_DGC_WARMUP_COEFF", *_CLIP_VARS)
+OVERLAP_VARIABLE = "AIAK_OVERLAP_BACKWARD_AND_STEP"
 DGC_VARIABLES = ("AIAK_DGC", *_DGC_VARS, *_DGC_EXTRA)
 
 
-def _dgc_settings(env: Mapping[str, str]) -> tuple[tuple[str, Any], ...] | None:
-    """``AIAK_DGC=1``'s settings as ``dgc()`` keywords; its variables without it are errors."""
+def _dgc_settings(
+    env: Mapping[str, str], overlap: bool = False
+) -> tuple[tuple[str, Any], ...] | None:
+    """``AIAK_DGC=1``'s settings as ``dgc()`` keywords; its variables without it are errors
+    (the clipping's two also belong to the overlap, ``overlap``)."""
     on = _flag(env, "AIAK_DGC")
-    given = [k for k in (*_DGC_VARS, *_DGC_EXTRA) if _get(env, k) is not None]
+    shared = _CLIP_VARS if overlap else ()
+    given = [k for k in (*_DGC_VARS, *_DGC_EXTRA) if _get(env, k) is not None and k not in shared]
     if not on:
         if given:
             raise ValueError(f"{given[0]} is a DGC setting: it needs AIAK_DGC=1")
@@ -274,6 +293,14 @@ def _dgc_settings(env: Mapping[str, str]) -> tuple[tuple[str, Any], ...] | None:
                 f"(AIAK_DGC_WARMUP_EPOCHS={warm}), separated by spaces, got {raw!r}"
             )
         kw["warmup_coeff"] = coeff[0] if len(coeff) == 1 else tuple(coeff)
+    clip = _clip(env)
+    if clip is not None:
+        kw["clip_grad_func"], kw["clip_grad_func_params"] = clip
+    return tuple(sorted(kw.items()))
+
+
+def _clip(env: Mapping[str, str]) -> tuple[str, tuple[tuple[str, float], ...]] | None:
+    """``AIAK_CLIP_GRAD_FUNC`` / ``_PARAMS`` as ``(function, ((keyword, bound),))`` (hashable)."""
     func = _get(env, "AIAK_CLIP_GRAD_FUNC")
     if func is not None and func not in ("norm", "value"):
         raise ValueError(f"AIAK_CLIP_GRAD_FUNC must be norm or value, got {func!r}")
@@ -285,11 +312,9 @@ def _dgc_settings(env: Mapping[str, str]) -> tuple[tuple[str, Any], ...] | None:
             "AIAK_CLIP_GRAD_FUNC and AIAK_CLIP_GRAD_FUNC_PARAMS go together (the clipping and "
             "its max norm / value)"
         )
-    if func is not None:
-        kw["clip_grad_func"] = func
-        key = {"norm": "max_norm", "value": "clip_value"}[func]
-        kw["clip_grad_func_params"] = ((key, bound),)  # pairs: the config stays hashable
-    return tuple(sorted(kw.items()))
+    if func is None:
+        return None
+    return func, (({"norm": "max_norm", "value": "clip_value"}[func], bound),)
 
 
 def bucket_cap_mb(environ: Mapping[str, str] | None = None) -> float | None:
@@ -300,24 +325,43 @@ def bucket_cap_mb(environ: Mapping[str, str] | None = None) -> float | None:
 # The longest timeout accepted: a year. gloo keeps it in milliseconds and timedelta refuses
 # values past ~2.7e6 years, so larger numbers (1e20, inf) could only overflow somewhere deeper.
 MAX_TIMEOUT_SECONDS = 365 * 24 * 3600.0
+NCCL_TIMEOUT_VARIABLE = "AIAK_NCCL_TIMEOUT_SECONDS"
 
 
-def gloo_timeout(environ: Mapping[str, str] | None = None) -> datetime.timedelta:
-    """The collective timeout from ``GLOO_TIMEOUT_SECONDS`` (default 60 s, as Perseus)."""
-    env = os.environ if environ is None else environ
-    raw = _get(env, "GLOO_TIMEOUT_SECONDS")
+def _seconds(env: Mapping[str, str], name: str) -> datetime.timedelta | None:
+    raw = _get(env, name)
     if raw is None:
-        return datetime.timedelta(seconds=60)
+        return None
     try:
         seconds = float(raw)
     except ValueError:
         seconds = -1.0
     if not 1e-3 <= seconds <= MAX_TIMEOUT_SECONDS:  # also refuses nan and inf
         raise ValueError(
-            "GLOO_TIMEOUT_SECONDS must be a number of seconds from 0.001 to "
+            f"{name} must be a number of seconds from 0.001 to "
             f"{MAX_TIMEOUT_SECONDS:.0f} (a year), got {raw!r}"
         )
     return datetime.timedelta(seconds=seconds)
+
+
+def gloo_timeout(environ: Mapping[str, str] | None = None) -> datetime.timedelta:
+    """The collective timeout from ``GLOO_TIMEOUT_SECONDS`` (default 60 s, as Perseus)."""
+    env = os.environ if environ is None else environ
+    return _seconds(env, "GLOO_TIMEOUT_SECONDS") or datetime.timedelta(seconds=60)
+
+
+def init_timeout(
+    backend: str | None, environ: Mapping[str, str] | None = None
+) -> datetime.timedelta | None:
+    """The ``timeout=`` that ``init_process_group(backend)`` gets under activation, from the
+    variables that are set: ``GLOO_TIMEOUT_SECONDS`` for gloo, ``AIAK_NCCL_TIMEOUT_SECONDS``
+    for NCCL, the shorter of the two for a backend naming both (``None``, torch's default
+    ``cpu:gloo,cuda:nccl``). ``None`` when none applies: torch's own default stays."""
+    env = os.environ if environ is None else environ
+    name = (backend or "gloo,nccl").lower()
+    pairs = (("gloo", "GLOO_TIMEOUT_SECONDS"), ("nccl", NCCL_TIMEOUT_VARIABLE))
+    found = [t for key, var in pairs if key in name and (t := _seconds(env, var)) is not None]
+    return min(found) if found else None
 
 
 def _env_int(environ: Mapping[str, str], name: str, minimum: int) -> int | None:

@@ -1,5 +1,7 @@
 """``aiak-doctor``: checks of the machine and of the AIAK_/PERSEUS_ variables, each with a
 verdict (ok / warn / fail / info) and a fix. ``--json`` prints the same rows for machines.
+``-H host:n,...`` adds whether each host resolves and answers, and whether the rendezvous port
+(``PERSEUS_MASTER_PORT``, default 6666) on the first host can be reached or, locally, bound.
 
 The exit status is 1 when a check fails, else 0. The variable checks call each subpackage's
 own ``check`` (lazily: the doctor is not imported by anything else).
@@ -15,6 +17,8 @@ import json
 import os
 import re
 import shutil
+import site
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -148,15 +152,26 @@ def check_rdma(env: Mapping[str, str]) -> list[Check]:
         )
     if gdr is not None:
         levels = ("LOC", "PIX", "PXB", "PHB", "SYS")
-        ok = gdr.upper() in levels or gdr.isdigit()
-        rows.append(
-            Check(
-                "NCCL_NET_GDR_LEVEL",
-                "ok" if ok and (peermem or not ib) else "warn" if ok else "fail",
-                gdr + ("" if peermem else " (nvidia_peermem not loaded: GDR cannot engage)"),
-                "" if ok else f"one of {levels} or a number",
+        if not (gdr.upper() in levels or gdr.isdigit()):
+            rows.append(
+                Check(
+                    "NCCL_NET_GDR_LEVEL",
+                    "fail",
+                    f"{gdr!r} is not a level NCCL knows",
+                    f"one of {', '.join(levels)} or a number (0-5)",
+                )
             )
-        )
+        elif ib and not peermem:
+            rows.append(
+                Check(
+                    "NCCL_NET_GDR_LEVEL",
+                    "warn",
+                    f"{gdr} (nvidia_peermem not loaded: GPUDirect RDMA cannot engage)",
+                    "modprobe nvidia_peermem",
+                )
+            )
+        else:
+            rows.append(Check("NCCL_NET_GDR_LEVEL", "ok", gdr))
     return rows
 
 
@@ -196,11 +211,36 @@ def check_nics(env: Mapping[str, str]) -> list[Check]:
     return rows
 
 
+# Variables of aiak read outside comm's and optim's checks: name -> (accepted values, reader)
+_OPS_CHOICES = {
+    "AIAK_DISABLE_KERNELS": (("0", "1"), "aiak.ops"),
+    "AIAK_NATIVE_HOST": (("0", "1"), "aiak.ops"),
+}
+TIMEOUTS = ("GLOO_TIMEOUT_SECONDS", "AIAK_NCCL_TIMEOUT_SECONDS")
+
+
+def _ops_choices() -> dict[str, tuple[tuple[str, ...], str]]:
+    choices = dict(_OPS_CHOICES)
+    try:  # the ops module names its own variable and values
+        from aiak.ops import _window_attention_cuda as wa
+
+        choices[wa.KERNEL_ENV] = (tuple(wa.KERNEL_CHOICES), "aiak.ops window attention")
+    except ImportError:
+        pass
+    return choices
+
+
 def check_variables(env: Mapping[str, str]) -> list[Check]:
-    ours = sorted(k for k in env if k.startswith(("AIAK_", "PERSEUS_")))
+    ours = sorted(k for k in env if k.startswith(("AIAK_", "PERSEUS_")) or k in TIMEOUTS)
     if not ours:
         return [Check("AIAK_/PERSEUS_ variables", "info", "none set")]
     rows = []
+    for name, (values, reader) in _ops_choices().items():
+        raw = env.get(name)
+        if raw is not None and raw.strip() not in values:
+            rows.append(
+                Check(name, "fail", f"{raw!r} ({reader} refuses it)", f"one of {', '.join(values)}")
+            )
     for name in ("aiak.comm.auto", "aiak.optim.auto"):
         try:
             importlib.import_module(name).check(env)
@@ -222,6 +262,110 @@ def check_variables(env: Mapping[str, str]) -> list[Check]:
     return rows
 
 
+def check_install() -> list[Check]:
+    """aiak's version, and whether ``AIAK_AUTO=1`` activates aiak outside aiakrun here."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("aiak")
+    except metadata.PackageNotFoundError:
+        return [
+            Check("aiak", "warn", "not installed (imported from a source tree)", "pip install .")
+        ]
+    rows = [
+        Check("aiak", "ok", f"version {version} at {os.path.dirname(os.path.dirname(__file__))}")
+    ]
+    from aiak.launch.run import SITE_DIR
+
+    folders = [*site.getsitepackages(), site.getusersitepackages()]
+    pth = [f for f in folders if os.path.isfile(os.path.join(f, "aiak-auto.pth"))]
+    on_path = SITE_DIR in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if pth or on_path:
+        where = f"aiak-auto.pth in {pth[0]}" if pth else "aiakrun's start-up folder on PYTHONPATH"
+        rows.append(Check("activation (AIAK_AUTO=1)", "ok", f"works here ({where})"))
+    else:
+        rows.append(
+            Check(
+                "activation (AIAK_AUTO=1)",
+                "warn",
+                "only under aiakrun: this install has no aiak-auto.pth (an editable install), "
+                "so AIAK_AUTO=1 with torchrun or python does nothing",
+                f"PYTHONPATH={SITE_DIR} (aiakrun --site-dir), or pip install . (not -e)",
+            )
+        )
+    return rows
+
+
+def _connect(host: str, port: int, timeout: float) -> str:
+    """``"open"``, ``"refused"`` (the host answers, nothing listens) or ``"silent"``."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return "open"
+    except ConnectionRefusedError:
+        return "refused"
+    except OSError:
+        return "silent"
+
+
+def check_hosts(spec: str, port: int, timeout: float = 3.0) -> list[Check]:
+    """aiakrun's ``-H``: each host resolves and answers (its ssh port), and the rendezvous port
+    of the first host is free: bindable when the first host is this machine, else refused
+    (reachable, nothing listening yet) rather than silent (a firewall)."""
+    from aiak.launch.run import LOCAL_NAMES, parse_hosts
+
+    try:
+        hosts = parse_hosts(spec, None)
+    except ValueError as e:
+        return [Check("-H", "fail", str(e), "name[=addr][:slots],...")]
+    rows = []
+    for h in hosts:
+        try:
+            addr = socket.getaddrinfo(h.addr, None)[0][4][0]
+        except OSError as e:
+            rows.append(Check(f"host {h.name}", "fail", f"{h.addr} does not resolve: {e}", ""))
+            continue
+        if h.name in LOCAL_NAMES:
+            rows.append(Check(f"host {h.name}", "ok", f"{addr} (this machine, no remote shell)"))
+            continue
+        state = _connect(addr, 22, timeout)
+        said = {"open": "answers", "refused": "refused", "silent": f"silent for {timeout:g} s"}
+        fix = "aiakrun's default remote shell is ssh; --remote-shell for another"
+        rows.append(
+            Check(
+                f"host {h.name}",
+                "ok" if state == "open" else "warn",
+                f"{addr}: ssh port {said[state]}",
+                "" if state == "open" else fix,
+            )
+        )
+    first = hosts[0]
+    if first.name in LOCAL_NAMES:
+        try:
+            with socket.socket() as s:
+                s.bind(("", port))
+            rows.append(Check(f"rendezvous port {port}", "ok", "free on this machine"))
+        except OSError as e:
+            rows.append(
+                Check(f"rendezvous port {port}", "fail", f"cannot bind: {e}", "PERSEUS_MASTER_PORT")
+            )
+        return rows
+    state = _connect(first.addr, port, timeout)
+    verdict, detail = {
+        "refused": ("ok", "reachable (nothing listens before the launch)"),
+        "open": ("fail", "something already listens there: the rendezvous cannot bind it"),
+        "silent": ("warn", f"no answer within {timeout:g} s: a firewall drops it?"),
+    }[state]
+    rows.append(
+        Check(
+            f"rendezvous port {first.addr}:{port}",
+            verdict,
+            detail,
+            "" if verdict == "ok" else "another PERSEUS_MASTER_PORT, or open the port",
+        )
+    )
+    return rows
+
+
 def check_packages() -> list[Check]:
     rows = []
     for mod, why in (("cupy", "aiak's CUDA kernels (NVRTC)"), ("numba", "numba-cuda kernels")):
@@ -238,6 +382,7 @@ def check_packages() -> list[Check]:
 
 
 CHECKS: tuple[Callable[..., list[Check]], ...] = (
+    check_install,
     check_gpus,
     check_nccl,
     check_rdma,
@@ -247,14 +392,22 @@ CHECKS: tuple[Callable[..., list[Check]], ...] = (
 )
 
 
-def run_checks(environ: Mapping[str, str] | None = None) -> list[Check]:
+def run_checks(environ: Mapping[str, str] | None = None, hosts: str | None = None) -> list[Check]:
     env = dict(os.environ if environ is None else environ)
     rows: list[Check] = []
-    for check in CHECKS:
+    checks: list[Callable[[], list[Check]]] = [
+        (lambda c=c: c(env)) if c.__code__.co_argcount else c for c in CHECKS
+    ]
+    if hosts:
+        port = env.get("PERSEUS_MASTER_PORT") or "6666"
+        port_ok = port.isdigit() and 0 < int(port) < 65536
+        checks.append(lambda: check_hosts(hosts, int(port)) if port_ok else [])
+    for check in checks:
         try:
-            rows.extend(check(env) if check.__code__.co_argcount else check())
+            rows.extend(check())
         except Exception as e:  # a broken check is a row, not a crash of the doctor
-            rows.append(Check(check.__name__, "fail", f"{type(e).__name__}: {e}", "report this"))
+            name = getattr(check, "__name__", "check")
+            rows.append(Check(name, "fail", f"{type(e).__name__}: {e}", "report this"))
     return rows
 
 
@@ -273,8 +426,9 @@ def _table(rows: Sequence[Check]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="aiak-doctor", description=__doc__.split("\n")[0])
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    p.add_argument("-H", "--hosts", help="aiakrun's host[=addr][:slots],...: check them")
     args = p.parse_args(argv)
-    rows = run_checks()
+    rows = run_checks(hosts=args.hosts)
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2))
     else:

@@ -1,8 +1,8 @@
 """aiakrun's feature flags: one row each, flag -> environment variable (-> subpackage).
 
-A row with ``available=False`` is a flag of the seed that this version does not implement; it
-parses, and then stops the launch with a clear error. Turning it on when its feature lands is
-flipping that one field (the variable names are already the ones the feature reads).
+A row with ``available=False`` is a flag that this version does not implement; it parses, and
+then stops the launch with a clear error. A row's ``old`` is a former spelling that still works
+and warns (``--rank`` was PowerSGD's rank, which reads as the process's rank).
 """
 
 from __future__ import annotations
@@ -25,10 +25,15 @@ class Flag:
     needs: tuple[str, ...] = ()  # one of these options must be given too
     choices: tuple[str, ...] | None = None
     nargs: str | None = None  # "+" for a list (joined with spaces in the variable)
+    old: str | None = None  # a deprecated spelling of the option, still accepted
 
     @property
     def dest(self) -> str:
         return self.option.lstrip("-").replace("-", "_")
+
+    @property
+    def old_dest(self) -> str:
+        return self.dest + "__old"
 
 
 _DGC = ("--dgc",)
@@ -38,7 +43,14 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--hierarchical-allreduce", "AIAK_HIERARCHICAL_ALLREDUCE", help="two-level allreduce"),
     Flag("--fp16-compression", "AIAK_FP16_COMPRESSION", help="gradients on the wire in fp16"),
     Flag("--powersgd", "AIAK_POWERSGD_COMPRESSION", help="PowerSGD low-rank compression"),
-    Flag("--rank", "AIAK_MATRIX_APPROXIMATION_RANK", int, "PowerSGD's rank", needs=("--powersgd",)),
+    Flag(
+        "--powersgd-rank",
+        "AIAK_MATRIX_APPROXIMATION_RANK",
+        int,
+        "PowerSGD's rank",
+        needs=("--powersgd",),
+        old="--rank",
+    ),
     Flag(
         "--start-compress-iter",
         "AIAK_START_COMPRESS_ITER",
@@ -54,6 +66,21 @@ FLAGS: tuple[Flag, ...] = (
         "micro-steps per optimizer step (scripts using aiak.comm.accumulate)",
     ),
     Flag("--fuse-optimizer", "AIAK_FUSED_OPTIMIZER", help="torch Adam/AdamW/SGD built fused"),
+    Flag(
+        "--downsample-n-elements",
+        "PERSEUS_DOWNSAMPLE_N_ELEMENTS",
+        int,
+        "send 1 gradient element in N per step (the others wait in a memory)",
+    ),
+    Flag(
+        "--gradient-momentum",
+        "PERSEUS_GRADIENT_MOMENTUM",
+        float,
+        "momentum of the elements downsampling keeps back",
+        needs=("--downsample-n-elements",),
+    ),
+    Flag("--allreduce-streams", "PERSEUS_ALLREDUCE_STREAMS", int, "buckets over K groups"),
+    Flag("--allreduce-fusion", "PERSEUS_ALLREDUCE_FUSION", str, "DDP bucket size, MiB, or auto"),
     Flag("--perf-check-n-steps", "PERSEUS_PERF_CHECK_N_STEPS", int, "slow-rank check period"),
     Flag("--comm-log-steps", "AIAK_COMM_LOG_STEPS", int, "log the hook's bytes every N steps"),
     # DGC (aiak.comm.dgc) and the backward/step overlap (aiak.comm.overlap_step).
@@ -73,8 +100,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--overlap-backward-and-step",
         "AIAK_OVERLAP_BACKWARD_AND_STEP",
-        help="update parameters while gradients communicate",
-        available=False,
+        help="update parameters while gradients communicate (the script's step() is a no-op)",
     ),
     Flag(
         "--clip-grad-func",
@@ -101,6 +127,11 @@ CONFLICTS: tuple[tuple[str, str, str], ...] = (
     ("--dgc", "--fp16-compression", "choose one compression"),
     ("--dgc", "--hierarchical-allreduce", "DGC's allgather runs over all ranks"),
     ("--dgc", "--fuse-optimizer", "DGC steps its own SGD"),
+    (
+        "--dgc",
+        "--overlap-backward-and-step",
+        "from the launcher, one or the other; together: aiak.comm.overlap_step(..., hook=dgc)",
+    ),
 )
 
 
@@ -108,12 +139,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("features (each sets an environment variable)")
     for f in FLAGS:
         text = f"{f.help} [{f.env}]" + ("" if f.available else " (not available in this version)")
-        if f.kind is None:
-            group.add_argument(f.option, dest=f.dest, action="store_true", help=text)
-        else:
-            group.add_argument(
-                f.option, dest=f.dest, type=f.kind, choices=f.choices, nargs=f.nargs, help=text
-            )
+        for option, dest, shown in ((f.option, f.dest, text), (f.old, f.old_dest, None)):
+            if option is None:
+                continue
+            shown = shown if shown is not None else argparse.SUPPRESS
+            if f.kind is None:
+                group.add_argument(option, dest=dest, action="store_true", help=shown)
+            else:
+                group.add_argument(
+                    option, dest=dest, type=f.kind, choices=f.choices, nargs=f.nargs, help=shown
+                )
+
+
+def _merge_old(args: argparse.Namespace, flags: Sequence[Flag]) -> None:
+    """A deprecated spelling's value goes to its flag (the new spelling wins when both)."""
+    for f in flags:
+        if f.old is None:
+            continue
+        old = getattr(args, f.old_dest, None)
+        if old not in (None, False) and getattr(args, f.dest) in (None, False):
+            setattr(args, f.dest, old)
+
+
+def deprecations(args: argparse.Namespace, flags: Sequence[Flag] = FLAGS) -> list[str]:
+    """One line per deprecated spelling the command line used."""
+    return [
+        f"{f.old} is deprecated: it means {f.option} ({f.help})"
+        for f in flags
+        if f.old is not None and getattr(args, f.old_dest, None) not in (None, False)
+    ]
 
 
 def _given(args: argparse.Namespace, f: Flag) -> bool:
@@ -124,6 +178,7 @@ def _given(args: argparse.Namespace, f: Flag) -> bool:
 def environment(args: argparse.Namespace, flags: Sequence[Flag] = FLAGS) -> dict[str, str]:
     """The variables the flags ask for; ``ValueError`` on a conflict, a missing companion
     flag or a feature this version does not have (checked in that order)."""
+    _merge_old(args, flags)
     given = {f.option for f in flags if _given(args, f)}
     for a, b, why in CONFLICTS:
         if a in given and b in given:
@@ -133,12 +188,7 @@ def environment(args: argparse.Namespace, flags: Sequence[Flag] = FLAGS) -> dict
             raise ValueError(f"aiakrun: {f.option} needs {' or '.join(f.needs)}")
     missing = [f.option for f in flags if f.option in given and not f.available]
     if missing:
-        raise ValueError(
-            f"aiakrun: {', '.join(missing)}: not available in this version of aiak "
-            "from the launcher: the overlap steps the training script's optimizer inside the "
-            "backward, which activation cannot reach; use aiak.comm.overlap_step in the "
-            "script (docs/dgc.md)"
-        )
+        raise ValueError(f"aiakrun: {', '.join(missing)}: not available in this version of aiak")
     env: dict[str, str] = {}
     for f in flags:
         if f.option not in given:

@@ -2,13 +2,25 @@
 
 With ``AIAK_AUTO=1`` it activates aiak (``aiak.launch._boot``); without, it only hands over to
 the next ``sitecustomize`` on the path, which this one shadows. Nothing here imports torch.
+A python that cannot import aiak (another interpreter than aiak's, first on PATH) stops at
+once with a message naming it: running the script with every feature silently off would look
+like success.
 """
 
 import os
 
 if os.environ.get("AIAK_AUTO") == "1":
-    from aiak.launch import _boot
+    try:
+        from aiak.launch import _boot
+    except ImportError as e:
+        import sys
 
+        sys.stderr.write(
+            f"aiak: AIAK_AUTO=1, but {sys.executable} cannot import aiak ({e}); run the "
+            "python aiak is installed for (aiakrun --python, or its full path after '--')\n"
+        )
+        sys.stderr.flush()
+        os._exit(1)  # SystemExit here would be a fatal error of site, not a clean exit
     _boot.boot()
 
 

@@ -115,11 +115,18 @@ def test_fused_swap_keeps_groups_and_takes_torch_state(name):
 
     for s in range(3):  # a torch run with state...
         step(ref, ref_p, s)
-    try:
-        auto.activate({"AIAK_FUSED_OPTIMIZER": "1"}, lamb=False)
+    from aiak.launch import _boot
+
+    builders = auto.optimizer_builders({"AIAK_FUSED_OPTIMIZER": "1"})
+    assert auto.optimizer_builders({}) == {}
+    try:  # the start-up hook's one swap, with optim's builders
+        _boot._swap_optimizers({n: ("optim", *b) for n, b in builders.items()})
         opt = getattr(torch.optim, name)(p, **kw)
+        assert isinstance(opt, getattr(torch.optim, name))
     finally:
-        auto.deactivate()
+        _boot._restore_optimizers()
+    assert getattr(torch.optim, name).__module__.startswith("torch.optim.")
+    assert type(getattr(torch.optim, name)) is type
     assert type(opt).__name__ == f"Fused{'SGD' if name == 'SGD' else name}"
     assert opt.param_groups[0]["lr"] == 0.01 and opt.param_groups[0]["weight_decay"] == 0.01
     with torch.no_grad():
@@ -169,13 +176,19 @@ def test_dgc_activation_swaps_sgd_links_momentum_and_restores():
     from aiak import comm
     from aiak.comm import _dgc_auto
     from aiak.comm import auto as comm_auto
+    from aiak.launch import _boot
 
     torch_sgd, set_epoch = torch.optim.SGD, DistributedSampler.set_epoch
     env = {"AIAK_DGC": "1", "AIAK_DGC_COMPRESS_RATIO": "0.01"}
     with pytest.raises(ValueError, match="contradicts AIAK_FUSED_OPTIMIZER"):
         comm_auto.activate({**env, "AIAK_FUSED_OPTIMIZER": "1"})
-    assert torch.optim.SGD is torch_sgd
-    assert comm_auto.activate(env)
+    with pytest.raises(
+        ValueError, match=r"AIAK_DGC and AIAK_FUSED_OPTIMIZER both build torch\.optim\.SGD"
+    ):
+        _boot.activate({**env, "AIAK_FUSED_OPTIMIZER": "1"})  # one swap per torch class
+    _boot.deactivate()
+    assert torch.optim.SGD is torch_sgd and not comm_auto.active()
+    assert _boot.activate(env)  # the one patch module: comm's activation and the SGD swap
     try:
         model = torch.nn.Linear(4, 4)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.6, weight_decay=1e-4)
@@ -194,5 +207,204 @@ def test_dgc_activation_swaps_sgd_links_momentum_and_restores():
         sampler.set_epoch(3)
         assert sampler.epoch == 3 and hook.state.epoch == 3 and late.state.epoch == 3
     finally:
-        comm_auto.deactivate()
+        _boot.deactivate()
     assert torch.optim.SGD is torch_sgd and DistributedSampler.set_epoch is set_epoch
+
+
+def test_init_wrapper_fills_backend_and_timeout_for_every_spelling(monkeypatch):
+    import datetime
+    import inspect
+
+    import torch.distributed.distributed_c10d as c10d
+
+    from aiak.launch import _boot
+
+    calls = []
+    signature = inspect.signature(dist.init_process_group)
+
+    def fake(*args, **kwargs):  # torch's signature, records what torch would get
+        calls.append(dict(signature.bind(*args, **kwargs).arguments))
+
+    fake.__signature__ = signature
+    monkeypatch.setattr(dist, "init_process_group", fake)
+    monkeypatch.setattr(c10d, "init_process_group", fake)
+    seven, three = datetime.timedelta(seconds=7), datetime.timedelta(seconds=3)
+    env = {"AIAK_BACKEND": "gloo", "GLOO_TIMEOUT_SECONDS": "7"}
+    try:
+        assert _boot._wrap_init(env) == (
+            "launch: init_process_group() defaults to gloo and times out after 7 s"
+        )
+        init = dist.init_process_group
+        assert c10d.init_process_group is init and init is not fake
+        init()
+        init("gloo")
+        init(backend="gloo")
+        init("gloo", "env://")
+        init(init_method="env://", world_size=2, rank=0)
+        init(device_id=torch.device("cpu"))
+        init(backend="nccl", timeout=three)
+        init(backend="nccl")
+        init(None, "tcp://h:1", None, 2, 0)
+        with pytest.raises(TypeError):
+            init(backend="gloo", no_such_argument=1)  # torch's own error, not the wrapper's
+    finally:
+        _boot.deactivate()
+    assert dist.init_process_group is fake
+    want = [
+        {"backend": "gloo", "timeout": seven},
+        {"backend": "gloo", "timeout": seven},
+        {"backend": "gloo", "timeout": seven},
+        {"backend": "gloo", "init_method": "env://", "timeout": seven},
+        {"backend": "gloo", "init_method": "env://", "world_size": 2, "rank": 0, "timeout": seven},
+        {"backend": "gloo", "device_id": torch.device("cpu"), "timeout": seven},
+        {"backend": "nccl", "timeout": three},
+        {"backend": "nccl"},  # no NCCL timeout set: torch's own default
+        {"backend": "gloo", "init_method": "tcp://h:1", "world_size": 2, "rank": 0,
+         "timeout": seven},
+    ]  # fmt: skip
+    assert calls == want
+
+
+def test_init_timeout_reads_the_backends_variable():
+    import datetime
+
+    from aiak.comm.env import init_timeout
+
+    s = datetime.timedelta(seconds=1)
+    env = {"GLOO_TIMEOUT_SECONDS": "9", "AIAK_NCCL_TIMEOUT_SECONDS": "4"}
+    assert init_timeout("gloo", env) == 9 * s
+    assert init_timeout("nccl", env) == 4 * s
+    assert init_timeout(None, env) == 4 * s  # torch's default names both: the shorter
+    assert init_timeout("cpu:gloo,cuda:nccl", {"GLOO_TIMEOUT_SECONDS": "9"}) == 9 * s
+    assert init_timeout("gloo", {}) is None and init_timeout("nccl", env | {"X": "1"}) == 4 * s
+    for bad in ("abc", "0", "nan", "-1", "inf"):
+        with pytest.raises(ValueError, match="AIAK_NCCL_TIMEOUT_SECONDS must be a number"):
+            init_timeout("nccl", {"AIAK_NCCL_TIMEOUT_SECONDS": bad})
+
+
+def test_malformed_backend_or_timeout_fails_at_activation():
+    from aiak.launch import _boot
+
+    with pytest.raises(ValueError, match="AIAK_BACKEND must be gloo or nccl"):
+        _boot._wrap_init({"AIAK_BACKEND": "mpi"})
+    with pytest.raises(ValueError, match="GLOO_TIMEOUT_SECONDS must be a number"):
+        _boot._wrap_init({"GLOO_TIMEOUT_SECONDS": "abc"})
+    assert "init" not in _boot._saved
+
+
+def test_uncaught_exception_goes_to_the_elastic_error_file(tmp_path):
+    error_file = tmp_path / "error.json"
+    env = clean_env(PYTHONPATH=str(SITE), AIAK_AUTO="1", TORCHELASTIC_ERROR_FILE=str(error_file))
+    code = "import torch\ndef f():\n    raise ValueError('from the script')\nf()\n"
+    out = run([sys.executable, "-c", code], env, limit=120)
+    assert out.returncode == 1 and "ValueError: from the script" in out.stdout
+    data = json.loads(error_file.read_text())["message"]
+    assert data["message"] == "ValueError: from the script"
+    assert "in f\n" in data["extraInfo"]["py_callstack"]
+    assert data["extraInfo"]["py_callstack"].endswith("ValueError: from the script\n")
+
+
+def test_child_processes_of_a_rank_activate_quietly():
+    env = clean_env(PYTHONPATH=str(SITE), AIAK_AUTO="1", RANK="0")
+    code = (
+        "import subprocess, sys\nimport torch\n"
+        "subprocess.run([sys.executable, '-c', 'import torch'], check=True, timeout=120)\n"
+    )
+    out = run([sys.executable, "-c", code], env, limit=240)
+    assert out.returncode == 0, out.stdout
+    assert out.stdout.count("[aiak rank 0] optim: torch.optim.LAMB is aiak's LAMB") == 1
+
+
+def test_overlap_variables_parse_and_conflict():
+    from aiak.comm.env import parse_env
+
+    cfg = parse_env(
+        {
+            "AIAK_OVERLAP_BACKWARD_AND_STEP": "1",
+            "AIAK_CLIP_GRAD_FUNC": "value",
+            "AIAK_CLIP_GRAD_FUNC_PARAMS": "0.5",
+        }
+    )
+    assert cfg.overlap and cfg.clip == ("value", (("clip_value", 0.5),)) and cfg.dgc is None
+    assert parse_env({"AIAK_OVERLAP_BACKWARD_AND_STEP": "1"}).clip is None
+    with pytest.raises(ValueError, match="is a DGC setting"):  # clipping without its feature
+        parse_env({"AIAK_CLIP_GRAD_FUNC": "norm", "AIAK_CLIP_GRAD_FUNC_PARAMS": "1"})
+    with pytest.raises(ValueError, match="AIAK_OVERLAP_BACKWARD_AND_STEP=1 with AIAK_DGC=1"):
+        parse_env({"AIAK_OVERLAP_BACKWARD_AND_STEP": "1", "AIAK_DGC": "1"})
+    with pytest.raises(ValueError, match="AIAK_OVERLAP_BACKWARD_AND_STEP must be 0 or 1"):
+        parse_env({"AIAK_OVERLAP_BACKWARD_AND_STEP": "yes"})
+    with pytest.raises(ValueError, match="go together"):
+        parse_env({"AIAK_OVERLAP_BACKWARD_AND_STEP": "1", "AIAK_CLIP_GRAD_FUNC": "norm"})
+
+
+def _world_of_one():
+    import datetime
+
+    dist.init_process_group(
+        "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=30)
+    )
+
+
+def test_overlap_activation_steps_in_backward_and_restores():
+    from torch import nn
+
+    from aiak.comm import auto
+
+    optimizer_init = torch.optim.Optimizer.__init__
+    _world_of_one()
+    try:
+        auto.activate({"AIAK_OVERLAP_BACKWARD_AND_STEP": "1"})
+        try:
+            torch.manual_seed(0)
+            model = nn.parallel.DistributedDataParallel(nn.Linear(4, 3))
+            ref = nn.Linear(4, 3)
+            ref.load_state_dict(model.module.state_dict())
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+            for _ in range(3):
+                x = torch.randn(5, 4)
+                opt.zero_grad()
+                model(x).square().sum().backward()  # the overlap steps here
+                opt.step()  # ...and this does nothing
+                ref_opt.zero_grad()
+                ref(x).square().sum().backward()
+                ref_opt.step()
+            for p, q in zip(model.module.parameters(), ref.parameters()):
+                torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+            with pytest.raises(ValueError, match=r"optimizer.step\(closure\) cannot run"):
+                opt.step(lambda: 0.0)
+            lonely = nn.parallel.DistributedDataParallel(nn.Linear(2, 2))
+            with pytest.raises(ValueError, match="no optimizer holds exactly"):
+                lonely(torch.randn(1, 2))
+        finally:
+            auto.deactivate()
+        assert torch.optim.Optimizer.__init__ is optimizer_init
+        del model, lonely
+    finally:
+        dist.destroy_process_group()
+
+
+def test_notices_for_settings_that_change_nothing():
+    from aiak.comm.auto import notices
+
+    assert notices({}, 1) == []
+    env = {
+        "PERSEUS_ACCUMULATE_N_STEPS": "4",
+        "AIAK_POWERSGD_COMPRESSION": "1",
+        "AIAK_START_COMPRESS_ITER": "50",
+        "AIAK_HIERARCHICAL_ALLREDUCE": "1",
+    }
+    said = notices(env, 1)
+    assert len(said) == 3
+    assert "aiak.comm.accumulate" in said[0] and "from step 50" in said[1]
+    assert "on one node is a flat allreduce" in said[2]
+    assert len(notices(env, 2)) == 2 and len(notices(env, None)) == 2
+
+
+def test_rank_0_activation_says_the_notices_once_without_aiakrun():
+    env = clean_env(PYTHONPATH=str(SITE), AIAK_AUTO="1", RANK="0", PERSEUS_ACCUMULATE_N_STEPS="4")
+    out = run([sys.executable, "-c", "import torch"], env, limit=120)
+    assert out.returncode == 0, out.stdout
+    assert out.stdout.count("PERSEUS_ACCUMULATE_N_STEPS=4 (--accumulate-n-steps)") == 1
+    out = run([sys.executable, "-c", "import torch"], {**env, "RANK": "1"}, limit=120)
+    assert "PERSEUS_ACCUMULATE_N_STEPS" not in out.stdout
