@@ -146,6 +146,10 @@ def breakdown(reports: Sequence[Mapping[str, Any]]) -> Breakdown:
     }
     samples = sum(int(r.get("stream_samples", 0)) for r in used)
     empty = sum(int(r.get("stream_empty", 0)) for r in used)
+    gpu_idle = (empty / samples) if samples and r0.get("cuda") else None
+    if r0.get("cuda"):
+        # the CPU's rates say nothing of GPU work: the GPU's empty queue is the host's share
+        host["compute"] = gpu_idle or 0.0
     facts = dict(r0.get("facts", {}))
     facts.update(
         world=int(r0.get("world", 1)),
@@ -164,7 +168,7 @@ def breakdown(reports: Sequence[Mapping[str, Any]]) -> Breakdown:
         comm=min(mean["comm"], mean["backward"]),
         optimizer=mean["optimizer"],
         host=host,
-        gpu_idle=(empty / samples) if samples and r0.get("cuda") else None,
+        gpu_idle=gpu_idle,
         facts=facts,
         ranks=len(used),
         steps=min(len(r["records"]) for r in used),

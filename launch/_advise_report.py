@@ -132,7 +132,7 @@ def document(
         "facts": dict(b.facts),
         "advice": [a.as_dict(b.step) for a in advice],
         "not_needed": not_helping(b),
-        "verify": None if verify is None else {k: v for k, v in verify.items() if k != "after"},
+        "verify": None if verify is None else dict(verify),
     }
 
 

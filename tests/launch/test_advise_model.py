@@ -255,3 +255,21 @@ def test_png_is_skipped_with_a_note_without_matplotlib(tmp_path, monkeypatch):
     why = report.draw(str(tmp_path / "x.png"), [("before", b)])
     assert why is not None and "matplotlib" in why
     assert not (tmp_path / "x.png").exists()
+
+
+def test_on_cuda_the_host_share_of_compute_is_the_gpu_idle_share():
+    recs = [_record(forward=4, backward=8, optimizer=0.1)] * 10
+    r = {**_report(recs), "cuda": True, "stream_samples": 100, "stream_empty": 70}
+    b = model.breakdown([r])
+    assert b.gpu_idle == pytest.approx(0.7) and b.host["compute"] == pytest.approx(0.7)
+    assert b.bottleneck() == "host"
+    busy = model.breakdown([{**r, "stream_empty": 10}])
+    assert busy.bottleneck() == "compute"
+    assert [a.feature for a in model.advise(busy)] == ["O2 mixed precision"]
+
+
+def test_png_of_before_and_after(tmp_path):
+    pytest.importorskip("matplotlib")
+    b = model.breakdown([_report([_record(forward=5, backward=9, optimizer=5)] * 10)])
+    assert report.draw(str(tmp_path / "x.png"), [("before", b), ("after", b)]) is None
+    assert (tmp_path / "x.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
