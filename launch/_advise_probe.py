@@ -35,9 +35,12 @@ import json
 import os
 import sys
 import time
+import weakref
 from typing import Any
 
-__all__ = ["boot", "install"]
+from aiak.launch import _advise_work
+
+__all__ = ["boot", "install", "uninstall"]
 
 _ENV_DIR = "AIAK_ADVISE_DIR"
 
@@ -78,7 +81,8 @@ class _Probe:
         self.fwd_t0 = 0.0
         self.roots: dict[int, Any] = {}
         self.global_hooks: list[Any] = []
-        self.iters: list[Any] = []  # live data-loader iterators (to stop their workers)
+        self.undo: list[Any] = []  # what uninstall() calls, last first
+        self.iters: Any = weakref.WeakSet()  # live data-loader iterators (to stop workers)
         self.cross_epoch: list[Any] = []
         self.counter: Any = None
         self.ops = {"data": 0, "forward": 0, "backward": 0, "optimizer": 0, "other": 0}
@@ -86,6 +90,7 @@ class _Probe:
         self.cuda = False
         self.samples = [0, 0]  # [boundaries sampled, of which the stream was empty]
         self.written = False
+        self.exit = os._exit  # how a rank ends after its last measured step
         self.buckets: dict[int, int] = {}  # bucket index -> bytes (this step)
         self.last_hook_end = 0.0
         self.last_future = 0.0
@@ -118,9 +123,7 @@ class _Probe:
         inner = make()
         _Phase.name = "other"
         it = _TimedIter(self, inner, time.perf_counter() - t0)
-        self.iters.append(it)
-        if len(self.iters) > 8:
-            self.iters = self.iters[-8:]
+        self.iters.add(it)
         if not any(f["id"] == id(loader) for f in self.facts["loaders"]):
             self.facts["loaders"].append(
                 {
@@ -166,8 +169,8 @@ class _Probe:
             h.remove()
         self.global_hooks = []
         for m in self.roots.values():
-            m.register_forward_pre_hook(self.fwd_pre)
-            m.register_forward_hook(self.fwd_post)
+            self.undo.append(m.register_forward_pre_hook(self.fwd_pre).remove)
+            self.undo.append(m.register_forward_hook(self.fwd_post).remove)
         self.facts["forward_roots"] = sorted({type(m).__name__ for m in self.roots.values()})
 
     # -- backward and comm --------------------------------------------------------------------
@@ -278,7 +281,8 @@ class _Probe:
     # -- the end ------------------------------------------------------------------------------
 
     def report(self, complete: bool) -> dict[str, Any]:
-        cost = _op_cost(self.torch, self.facts.get("optimizer", {}).get("device", "cpu"))
+        device = self.facts.get("optimizer", {}).get("device", "cpu")
+        cost = _advise_work.op_cost(self.torch, device)
         for f in self.facts["loaders"]:
             f.pop("id", None)
         dist = self.torch.distributed
@@ -296,7 +300,7 @@ class _Probe:
             "ops": self.ops,
             "op_cost_s": cost,
             "work": self.work,
-            "rates": _rates(self.torch),
+            "rates": _advise_work.rates(self.torch),
             "stream_samples": self.samples[0],
             "stream_empty": self.samples[1],
             "facts": self.facts,
@@ -317,10 +321,10 @@ class _Probe:
         sys.stdout.flush()
         sys.stderr.flush()
         self.stop_workers()
-        os._exit(0)  # the measured steps are done; the rest of the script is not needed
+        self.exit(0)  # the measured steps are done; the rest of the script is not needed
 
     def stop_workers(self) -> None:
-        for it in self.iters:
+        for it in list(self.iters):
             stop = getattr(it.inner, "_shutdown_workers", None)
             if stop is not None:
                 stop()
@@ -387,93 +391,14 @@ def _optimizer_facts(opt: Any) -> dict[str, Any]:
     }
 
 
-_MM = ("mm", "addmm", "bmm", "baddbmm")
-
-
-def _work(func: Any, args: Any, out: Any) -> tuple[int, int]:
-    """(elements written, multiply-adds) of one op: the work the op's time is made of."""
-    import torch
-
-    outs = out if isinstance(out, (tuple, list)) else (out,)
-    elems = sum(t.numel() for t in outs if isinstance(t, torch.Tensor))
-    name = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else ""
-    macs = 0
-    if name in _MM and isinstance(outs[0], torch.Tensor):
-        a = args[1] if name.startswith(("add", "badd")) else args[0]
-        macs = outs[0].numel() * int(a.shape[-1])
-    elif name == "convolution" and isinstance(outs[0], torch.Tensor):
-        macs = outs[0].numel() * int(args[1][0].numel())
-    elif name == "convolution_backward" and isinstance(args[0], torch.Tensor):
-        macs = 2 * args[0].numel() * int(args[2][0].numel())  # input and weight gradients
-    return elems, macs
-
-
 def _counter(probe: _Probe) -> Any:
-    from torch.utils._python_dispatch import TorchDispatchMode
+    def count(func: Any, args: Any, out: Any) -> None:
+        phase = _Phase.name
+        probe.ops[phase] = probe.ops.get(phase, 0) + 1
+        elems, macs = _advise_work.work(func, args, out)
+        probe.work[phase] = [probe.work[phase][0] + elems, probe.work[phase][1] + macs]
 
-    class _Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
-            out = func(*args, **(kwargs or {}))
-            phase = _Phase.name
-            probe.ops[phase] = probe.ops.get(phase, 0) + 1
-            elems, macs = _work(func, args, out)
-            probe.work[phase] = [probe.work[phase][0] + elems, probe.work[phase][1] + macs]
-            return out
-
-    return _Count()
-
-
-def _rates(torch: Any) -> dict[str, float]:
-    """Seconds per element written by an elementwise op and per multiply-add of a matmul of
-    a small batch, on the CPU (best of five)."""
-    a, b, c = torch.randn(2**20), torch.randn(2**20), torch.empty(2**20)
-    x, w = torch.randn(64, 256), torch.randn(256, 256)
-
-    def best(fn: Any) -> float:
-        fn()
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
-    return {
-        "elem_s": best(lambda: torch.add(a, b, out=c)) / 2**20,
-        "mac_s": best(lambda: torch.mm(x, w)) / (64 * 256 * 256),
-    }
-
-
-def _op_cost(torch: Any, device: str) -> float:
-    """Seconds one op costs the host when it has no work: a chain of multiplications of
-    one-element tensors and its backward, timed, divided by the ops it dispatches."""
-    dev = torch.device("cuda") if device == "cuda" and torch.cuda.is_available() else "cpu"
-    w = torch.ones(1, device=dev, requires_grad=True)
-    x = torch.ones(1, device=dev)
-
-    def chain() -> None:
-        y = x
-        for _ in range(100):
-            y = y * w
-        y.sum().backward()
-
-    chain()  # warm
-    counted = {"n": 0}
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class _Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
-            counted["n"] += 1
-            return func(*args, **(kwargs or {}))
-
-    with _Count():
-        chain()
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        chain()
-        best = min(best, time.perf_counter() - t0)
-    return best / max(1, counted["n"])
+    return _advise_work.counting(count)
 
 
 def install(out_dir: str) -> _Probe:
@@ -503,13 +428,15 @@ def install(out_dir: str) -> _Probe:
         return probe.timed_iter(self, lambda: loader_iter(self))
 
     DataLoader.__iter__ = __iter__
+    probe.undo.append(lambda: setattr(DataLoader, "__iter__", loader_iter))
 
     probe.global_hooks = [
         nn_module.register_module_forward_pre_hook(probe.fwd_pre),
         nn_module.register_module_forward_hook(probe.fwd_post),
     ]
-    torch_optimizer.register_optimizer_step_pre_hook(probe.opt_pre)
-    torch_optimizer.register_optimizer_step_post_hook(probe.opt_post)
+    probe.undo.append(lambda: [h.remove() for h in probe.global_hooks])
+    probe.undo.append(torch_optimizer.register_optimizer_step_pre_hook(probe.opt_pre).remove)
+    probe.undo.append(torch_optimizer.register_optimizer_step_post_hook(probe.opt_post).remove)
 
     autograd_backward = torch.autograd.backward
 
@@ -517,11 +444,22 @@ def install(out_dir: str) -> _Probe:
         return probe.backward(lambda: autograd_backward(*args, **kwargs))
 
     torch.autograd.backward = backward
+    probe.undo.append(lambda: setattr(torch.autograd, "backward", autograd_backward))
 
     if dist.is_available():
         _install_ddp(probe, torch)
     atexit.register(probe.finish, False)
+    probe.undo.append(lambda: atexit.unregister(probe.finish))
     return probe
+
+
+def uninstall(probe: _Probe) -> None:
+    """Remove every hook and patch :func:`install` made (tests; a worker just exits)."""
+    if probe.counter is not None:
+        probe.counter.__exit__(None, None, None)
+        probe.counter = None
+    while probe.undo:
+        probe.undo.pop()()
 
 
 def _install_ddp(probe: _Probe, torch: Any) -> None:
@@ -552,6 +490,12 @@ def _install_ddp(probe: _Probe, torch: Any) -> None:
 
     ddp_cls.register_comm_hook = register_comm_hook
     ddp_cls.__init__ = __init__
+
+    def restore() -> None:
+        ddp_cls.register_comm_hook = register
+        ddp_cls.__init__ = init
+
+    probe.undo.append(restore)
 
 
 class _AfterTorch:

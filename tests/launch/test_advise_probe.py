@@ -1,0 +1,140 @@
+"""aiak-advise's probe in this process: what it times and counts, how it stops, uninstall."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from aiak.launch import _advise_probe as probe_mod
+from aiak.launch import _advise_work as work
+
+
+class _Stopped(Exception):
+    pass
+
+
+@pytest.fixture
+def probe(tmp_path, monkeypatch):
+    monkeypatch.setenv("AIAK_ADVISE_WARMUP", "2")
+    monkeypatch.setenv("AIAK_ADVISE_STEPS", "4")
+    monkeypatch.delenv("AIAK_ADVISE_SECONDS", raising=False)
+    monkeypatch.delenv("AIAK_ADVISE_TRY", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    before = (DataLoader.__iter__, torch.autograd.backward)
+    p = probe_mod.install(str(tmp_path))
+
+    def stop(code: int) -> None:
+        raise _Stopped(code)
+
+    p.exit = stop
+    yield p
+    probe_mod.uninstall(p)
+    assert (DataLoader.__iter__, torch.autograd.backward) == before
+
+
+def _train(steps: int, ddp: bool = False) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    net = nn.parallel.DistributedDataParallel(model) if ddp else model
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    data = DataLoader(TensorDataset(torch.randn(12, 4), torch.randn(12, 1)), batch_size=4)
+    done = 0
+    while done < steps:
+        for x, y in data:
+            loss = nn.functional.mse_loss(net(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            done += 1
+
+
+def test_probe_times_every_phase_counts_ops_and_stops_after_the_measured_steps(probe, tmp_path):
+    with pytest.raises(_Stopped):
+        _train(100)
+    assert probe.step == 2 + 4  # warm-up, then the measured steps, then the rank ends
+    doc = json.loads((tmp_path / "rank0.json").read_text())
+    assert doc["complete"] and len(doc["records"]) == 4
+    for rec in doc["records"]:
+        assert rec["step"] > 0 and rec["forward"] > 0 and rec["backward"] > 0
+        assert rec["optimizer"] > 0 and rec["data"] > 0 and rec["comm"] == 0
+        assert rec["forward"] + rec["backward"] + rec["optimizer"] + rec["data"] <= rec["step"]
+    # the last warm-up step was counted: 3 batches per epoch, so it read one batch
+    assert doc["ops"]["forward"] >= 3 and doc["ops"]["backward"] > doc["ops"]["forward"]
+    assert doc["ops"]["optimizer"] >= 4  # four tensors, one update each at least
+    assert doc["work"]["forward"][1] == 4 * 8 * 4 + 4 * 1 * 8  # two addmm: batch x out x in
+    facts = doc["facts"]
+    assert facts["optimizer"]["type"] == "SGD" and facts["optimizer"]["tensors"] == 4
+    assert facts["optimizer"]["parameters"] == 4 * 8 + 8 + 8 + 1
+    assert facts["forward_roots"] == ["Sequential"]
+    assert facts["loaders"] == [
+        {
+            "num_workers": 0,
+            "persistent_workers": False,
+            "pin_memory": False,
+            "batches": 3,
+            "map_style": True,
+            "cross_epoch_trial": False,
+        }
+    ]
+    # epoch starts: one step in three waits at iter() + the first batch
+    assert sum(r["data_epoch_start"] > 0 for r in doc["records"]) in (1, 2)
+    assert doc["op_cost_s"] > 0 and doc["rates"]["elem_s"] > 0 and doc["rates"]["mac_s"] > 0
+
+
+def test_probe_sees_ddp_buckets_through_its_timed_allreduce_hook(probe, tmp_path):
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        with pytest.raises(_Stopped):
+            _train(100, ddp=True)
+    finally:
+        dist.destroy_process_group()
+    doc = json.loads((tmp_path / "rank0.json").read_text())
+    assert doc["facts"]["buckets"] >= 1
+    assert doc["facts"]["grad_bytes"] == (4 * 8 + 8 + 8 + 1) * 4
+    assert doc["facts"]["ddp"][0]["bucket_cap_bytes"] > 0
+    assert all(0 <= r["comm"] <= r["backward"] for r in doc["records"])
+    assert doc["backend"] == "gloo"
+
+
+def test_a_script_that_ends_early_writes_what_it_has(probe, tmp_path):
+    _train(3)
+    probe.finish(complete=False)
+    doc = json.loads((tmp_path / "rank0.json").read_text())
+    assert not doc["complete"] and doc["steps_seen"] == 3 and len(doc["records"]) == 1
+
+
+def test_boot_does_nothing_outside_a_launched_worker(monkeypatch):
+    import sys
+
+    monkeypatch.setenv("AIAK_ADVISE_DIR", "/nonexistent")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    finders = list(sys.meta_path)
+    probe_mod.boot()
+    assert sys.meta_path == finders and not os.path.exists("/nonexistent")
+
+
+@pytest.mark.parametrize(
+    ("make", "macs"),
+    [
+        (lambda: torch.mm(torch.ones(3, 5), torch.ones(5, 7)), 3 * 7 * 5),
+        (lambda: torch.addmm(torch.ones(7), torch.ones(3, 5), torch.ones(5, 7)), 3 * 7 * 5),
+        (lambda: torch.bmm(torch.ones(2, 3, 5), torch.ones(2, 5, 7)), 2 * 3 * 7 * 5),
+        (
+            lambda: nn.functional.conv2d(torch.ones(1, 2, 6, 6), torch.ones(4, 2, 3, 3)),
+            4 * 4 * 4 * (2 * 3 * 3),
+        ),
+        (lambda: torch.ones(10) + 1, 0),
+    ],
+)
+def test_work_counts_multiply_adds_of_matmuls_and_convolutions(make, macs):
+    seen = []
+    with work.counting(lambda func, args, out: seen.append(work.work(func, args, out))):
+        out = make()
+    assert seen[-1] == (out.numel(), macs)
