@@ -25,8 +25,9 @@ def _ms(seconds: float | None) -> str:
     return "?" if seconds is None else f"{seconds * 1e3:.1f} ms"
 
 
-def _model_line(f: Mapping[str, Any]) -> str:
+def _model_line(f: Mapping[str, Any], comm: float) -> str:
     opt = f.get("optimizer") or {}
+    world = int(f.get("world", 1))
     parts = []
     if opt:
         parts.append(
@@ -42,6 +43,9 @@ def _model_line(f: Mapping[str, Any]) -> str:
             f"DDP {buckets if buckets is not None else '?'} bucket(s), "
             f"{f.get('grad_bytes', 0) / 2**20:.2f} MiB of gradients per step"
         )
+        if comm > 0 and f.get("grad_bytes") and world > 1:
+            ring = 2 * (world - 1) / world * f["grad_bytes"]  # bytes each rank sends
+            parts.append(f"exposed comm at {ring / comm / 1e6:.0f} MB/s effective")
     for loader in f.get("loaders", []):
         parts.append(
             f"DataLoader num_workers={loader.get('num_workers')} "
@@ -70,7 +74,7 @@ def text(
         f"  data at epoch starts {_ms(b.data_epoch_start)}; host share of the ops: "
         + ", ".join(f"{k} {v:.0%}" for k, v in b.host.items())
         + ("" if b.gpu_idle is None else f"; GPU queue empty at {b.gpu_idle:.0%} of boundaries"),
-        "model: " + _model_line(f),
+        "model: " + _model_line(f, b.comm),
     ]
     name = b.bottleneck()
     lines.append(

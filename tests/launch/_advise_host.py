@@ -27,11 +27,12 @@ class Deep(nn.Module):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     torch.manual_seed(0)
-    model = Deep(60)
+    model = Deep(60).to(args.device)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    x, y = torch.randn(2, 8), torch.randn(2, 8)
+    x, y = torch.randn(2, 8, device=args.device), torch.randn(2, 8, device=args.device)
     for _ in range(args.steps):
         loss = (model(x) - y).square().mean()
         opt.zero_grad()

@@ -25,11 +25,13 @@ class Many(nn.Module):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     torch.manual_seed(0)
-    model = Many(400)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    x = torch.randn(8, 16)
+    model = Many(400).to(args.device)
+    # the per-tensor loop: torch's default on CPU, asked for on a GPU (whose default is foreach)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=False)
+    x = torch.randn(8, 16, device=args.device)
     for _ in range(args.steps):
         loss = model(x).square().mean()
         opt.zero_grad()

@@ -138,3 +138,13 @@ def test_work_counts_multiply_adds_of_matmuls_and_convolutions(make, macs):
     with work.counting(lambda func, args, out: seen.append(work.work(func, args, out))):
         out = make()
     assert seen[-1] == (out.numel(), macs)
+
+
+def test_seconds_bound_rank_0_names_the_last_step_two_ahead(probe, tmp_path):
+    probe.steps, probe.seconds = 10**9, 1e-9
+    with pytest.raises(_Stopped):
+        _train(100)
+    # the first measured step passes the time: the last step is named two steps ahead
+    assert (tmp_path / "stop").read_text() == str(2 + 1 + 2)
+    assert probe.step == 2 + 1 + 2
+    assert len(json.loads((tmp_path / "rank0.json").read_text())["records"]) == 3

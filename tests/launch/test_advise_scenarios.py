@@ -26,11 +26,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 ADVISE = [sys.executable, "-m", "aiak.launch.advise", "--json", "--verify"]
 
 
-def _advise(name: str, *aiakrun: str, steps: int = 10) -> dict:
-    script = HERE / f"_advise_{name}.py"
-    digest = hashlib.sha256(script.read_bytes()).hexdigest()
+def _advise(name: str, *aiakrun: str, steps: int = 10, script: tuple[str, ...] = ()) -> dict:
+    path = HERE / f"_advise_{name}.py"
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
     argv = [*ADVISE, "--steps", str(steps), "--warmup-steps", "3", "--limit", "300", *aiakrun]
-    argv += ["--", sys.executable, str(script)]
+    argv += ["--", sys.executable, str(path), *script]
     proc = subprocess.Popen(
         argv,
         env=clean_env(),
@@ -47,7 +47,7 @@ def _advise(name: str, *aiakrun: str, steps: int = 10) -> dict:
         out, err = proc.communicate(timeout=30)
         raise AssertionError(f"aiak-advise outlived 900 s:\n{err[-3000:]}") from None
     assert proc.returncode == 0, err[-4000:]
-    assert hashlib.sha256(script.read_bytes()).hexdigest() == digest  # the script is untouched
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == digest  # the script is untouched
     return json.loads(out)
 
 
@@ -105,3 +105,21 @@ def test_host_bound_small_model_is_named_and_nothing_is_verified():
     first = doc["advice"][0]
     assert first["feature"] == "larger batch, or CUDA graphs" and not first["aiak"]
     assert "no advice can be switched on" in doc["verify"]["skipped"]
+
+
+@pytest.mark.cuda
+def test_gpu_host_bound_small_model_leaves_the_gpu_waiting():
+    doc = _advise("host", "-np", "1", "--nccl", script=("--device", "cuda"))
+    assert doc["facts"]["cuda"] and doc["breakdown"]["gpu_idle"] is not None
+    assert doc["breakdown"]["bottleneck"] == "host", doc["breakdown"]
+    assert doc["advice"][0]["feature"] == "larger batch, or CUDA graphs"
+
+
+@pytest.mark.cuda
+def test_gpu_optimizer_bound_fused_optimizer_first_and_verified():
+    doc = _advise("optim", "-np", "1", "--nccl", steps=16, script=("--device", "cuda"))
+    assert doc["breakdown"]["bottleneck"] in ("optimizer", "host"), doc["breakdown"]
+    fused = [a for a in doc["advice"] if a["feature"] == "fused optimizer"]
+    assert fused and doc["advice"][0]["feature"] == "fused optimizer"
+    v = doc["verify"]
+    assert v["how"] == "aiakrun --fuse-optimizer" and v["after_s"] < v["before_s"], v
