@@ -43,6 +43,7 @@ from aiak.launch import _advise_work
 __all__ = ["boot", "install", "uninstall"]
 
 _ENV_DIR = "AIAK_ADVISE_DIR"
+_ENV_OWNER = "AIAK_ADVISE_OWNER"
 
 
 def _int_env(name: str, default: int) -> int:
@@ -95,7 +96,6 @@ class _Probe:
         self.last_hook_end = 0.0
         self.last_future = 0.0
         self.comm_hook = 0.0
-        self.bwd_end = 0.0
 
     @staticmethod
     def _blank() -> dict[str, float]:
@@ -411,6 +411,9 @@ def install(out_dir: str) -> _Probe:
 
     probe = _Probe(out_dir)
     _write(os.path.join(out_dir, f"pid{probe.rank}"), str(os.getpid()))
+    # Processes this rank starts (spawned data-loader workers) inherit the environment: the
+    # owner's pid keeps them from installing a probe that would write this rank's report.
+    os.environ[_ENV_OWNER] = str(os.getpid())
 
     loader_iter = DataLoader.__iter__
 
@@ -531,6 +534,8 @@ def boot() -> None:
     import torch too, stay unmeasured."""
     if not os.environ.get(_ENV_DIR) or "LOCAL_RANK" not in os.environ:
         return
+    if os.environ.get(_ENV_OWNER, str(os.getpid())) != str(os.getpid()):
+        return  # a child of a measured rank
     if "torch" in sys.modules:
         install(os.environ[_ENV_DIR])
     else:

@@ -167,6 +167,7 @@ def measure(
         with open(os.path.join(site, "sitecustomize.py"), "w") as f:
             f.write(_SITECUSTOMIZE)
         env = dict(os.environ)
+        env.pop("AIAK_ADVISE_OWNER", None)  # set inside measured ranks only
         env.update(
             AIAK_ADVISE_DIR=folder,
             AIAK_ADVISE_STEPS=str(steps),

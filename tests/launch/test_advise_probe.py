@@ -26,6 +26,7 @@ def probe(tmp_path, monkeypatch):
     monkeypatch.delenv("AIAK_ADVISE_SECONDS", raising=False)
     monkeypatch.delenv("AIAK_ADVISE_TRY", raising=False)
     monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("AIAK_ADVISE_OWNER", raising=False)
     before = (DataLoader.__iter__, torch.autograd.backward)
     p = probe_mod.install(str(tmp_path))
 
@@ -110,14 +111,29 @@ def test_a_script_that_ends_early_writes_what_it_has(probe, tmp_path):
     assert not doc["complete"] and doc["steps_seen"] == 3 and len(doc["records"]) == 1
 
 
-def test_boot_does_nothing_outside_a_launched_worker(monkeypatch):
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"LOCAL_RANK": None},  # a launcher, not a worker
+        {"LOCAL_RANK": "0", "AIAK_ADVISE_OWNER": "1"},  # a process a measured rank started
+    ],
+)
+def test_boot_does_nothing_outside_a_measured_worker(monkeypatch, env):
     import sys
 
     monkeypatch.setenv("AIAK_ADVISE_DIR", "/nonexistent")
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    for k, v in env.items():
+        if v is None:
+            monkeypatch.delenv(k, raising=False)
+        else:
+            monkeypatch.setenv(k, v)
     finders = list(sys.meta_path)
     probe_mod.boot()
     assert sys.meta_path == finders and not os.path.exists("/nonexistent")
+
+
+def test_install_marks_this_process_as_the_owner(probe):
+    assert os.environ["AIAK_ADVISE_OWNER"] == str(os.getpid())
 
 
 @pytest.mark.parametrize(
