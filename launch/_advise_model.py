@@ -52,13 +52,27 @@ class Breakdown:
     def share(self, phase: str) -> float:
         return getattr(self, phase) / self.step if self.step > 0 else 0.0
 
+    def comm_split(self) -> tuple[float, float]:
+        """(seconds the exposed comm spends moving bytes, seconds it waits for other ranks),
+        from the link timed at the end of the run; all of it is bytes when no link was timed."""
+        link = self.facts.get("link")
+        if not link:
+            return self.comm, 0.0
+        buckets = max(1, int(self.facts.get("buckets", 1)))
+        moved = int(self.facts.get("grad_bytes", 0)) * float(link["s_per_byte"])
+        wait = max(0.0, self.comm - buckets * float(link["latency_s"]) - moved)
+        return min(self.comm, moved), wait
+
     def bottleneck(self) -> str:
-        """The largest phase, named for what limits it: data, host, compute, link,
-        optimizer, or loop (the script's own code between phases)."""
+        """The largest phase, named for what limits it: data, host, compute, link, ranks
+        (the exposed comm is mostly ranks waiting for each other), optimizer, or loop (the
+        script's own code between phases)."""
         phase = max(PHASES, key=self.share)
         if phase == "compute":
             idle = self.gpu_idle is not None and self.gpu_idle >= HOST_BOUND
             return "host" if idle or self.host.get("compute", 0.0) >= HOST_BOUND else "compute"
+        if phase == "comm" and self.comm_split()[1] > self.comm / 2:
+            return "ranks"
         return {"comm": "link", "other": "loop"}.get(phase, phase)
 
     def as_dict(self) -> dict[str, Any]:
@@ -308,6 +322,24 @@ def _comm(b: Breakdown, on: Mapping[str, str]) -> list[Advice]:
         on.get(k) == "1" for k in ("AIAK_FP16_COMPRESSION", "AIAK_POWERSGD_COMPRESSION", "AIAK_DGC")
     )
     out: list[Advice] = []
+    link = b.facts.get("link")
+    moved, wait = b.comm_split()
+    if wait >= MIN_GAIN * b.step:
+        buckets = max(1, int(b.facts.get("buckets", 1)))
+        out.append(
+            Advice(
+                "slow-rank check",
+                True,
+                "comm",
+                None,
+                f"{_ms(wait)} of the exposed {_ms(c)} is not the link ({buckets} bucket(s) "
+                f"at {_ms(float(link['latency_s']))} latency, {grad_bytes / 2**20:.2f} MiB "
+                f"at {_rate(link)}): the ranks wait for each other",
+                "aiakrun --perf-check-n-steps 10  (names a rank slower than the median)",
+                "it finds the slow rank; it does not make it faster",
+            )
+        )
+    c = moved  # compression and two levels shorten the bytes' part only
     local = max(1, int(b.facts.get("local_world", 1)))
     nodes = max(1, world // local)
     if nodes > 1 and local > 1 and on.get("AIAK_HIERARCHICAL_ALLREDUCE") != "1":
@@ -337,9 +369,9 @@ def _comm(b: Breakdown, on: Mapping[str, str]) -> list[Advice]:
                 True,
                 "comm",
                 c * 0.5,
-                f"{_ms(c)} per step of communication is not hidden by the backward; "
-                f"{mib:.1f} MiB of fp32 gradients go on the wire as fp16: half the bytes "
-                "(the model assumes the link's time is proportional to bytes)",
+                f"{_ms(c)} per step of the communication the backward does not hide moves "
+                f"bytes{' (at the measured link rate)' if link else ' (assumed: no link rate)'}; "
+                f"{mib:.1f} MiB of fp32 gradients go on the wire as fp16: half the bytes",
                 "aiakrun --fp16-compression",
                 "latency-bound exchanges of small buckets; the backward itself",
                 flags=("--fp16-compression",),
@@ -423,7 +455,7 @@ def advise(b: Breakdown, on: Mapping[str, str] | None = None) -> list[Advice]:
     on = dict(on or {})
     found = [*_data(b), *_optimizer(b, on), *_comm(b, on), *_compute(b)]
     keep = [a for a in found if a.gain_s is None or a.gain_s >= MIN_GAIN * b.step]
-    bottleneck = {"host": "compute", "link": "comm", "loop": "other"}.get(
+    bottleneck = {"host": "compute", "link": "comm", "ranks": "comm", "loop": "other"}.get(
         b.bottleneck(), b.bottleneck()
     )
     # Estimated gains first, by size; then unestimated ones of the bottleneck's phase.
@@ -444,6 +476,11 @@ def not_helping(b: Breakdown) -> list[str]:
     if not b.facts.get("cuda"):
         out.append("O2 mixed precision and aiak's CUDA kernels: this run has no GPU")
     return out
+
+
+def _rate(link: Mapping[str, float]) -> str:
+    per_byte = float(link["s_per_byte"])
+    return "no measurable time per byte" if per_byte <= 0 else f"{1e-6 / per_byte:.0f} MB/s"
 
 
 def _ms(seconds: float) -> str:

@@ -314,6 +314,13 @@ class _Probe:
         if self.counter is not None:
             self.counter.__exit__(None, None, None)
             self.counter = None
+        dist = self.torch.distributed
+        distributed = dist.is_available() and dist.is_initialized()
+        # every rank is here (they end at the same step): the link can be timed together
+        if complete and distributed and dist.get_world_size() > 1:
+            device = "cuda" if self.cuda else "cpu"
+            nbytes = max(2**20, int(self.facts.get("grad_bytes", 0)))
+            self.facts["link"] = _advise_work.link(self.torch, nbytes, device)
         path = os.path.join(self.out_dir, f"rank{self.rank}.json")
         _write(path, json.dumps(self.report(complete)))
         if not complete:

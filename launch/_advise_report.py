@@ -15,10 +15,11 @@ _WHAT = {
     "host": "the forward and backward wait on the host's per-op cost:",
     "compute": "the forward and backward's own work is",
     "link": "communication the backward does not hide is",
+    "ranks": "ranks waiting for each other in the communication the backward does not hide:",
     "optimizer": "the optimizer's step is",
     "loop": "the script's own code between the phases is",
 }
-_PHASE_OF = {"host": "compute", "link": "comm", "loop": "other"}
+_PHASE_OF = {"host": "compute", "link": "comm", "ranks": "comm", "loop": "other"}
 
 
 def _ms(seconds: float | None) -> str:

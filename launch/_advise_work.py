@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["counting", "op_cost", "rates", "work"]
+__all__ = ["counting", "link", "op_cost", "rates", "work"]
 
 
 def counting(on_op: Callable[[Any, Any, Any], None]) -> Any:
@@ -96,3 +96,27 @@ def op_cost(torch: Any, device: str) -> float:
         chain()
         best = min(best, time.perf_counter() - t0)
     return best / max(1, counted["n"])
+
+
+def link(torch: Any, nbytes: int, device: str) -> dict[str, float]:
+    """The default group's allreduce, timed after a barrier (so that no rank waits for
+    another): its latency (one element, best of five) and its seconds per byte of buffer
+    (``nbytes``, best of three). Every rank must call it."""
+    dist = torch.distributed
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def best(t: Any, reps: int) -> float:
+        out = float("inf")
+        for _ in range(reps):
+            dist.barrier()
+            sync()
+            t0 = time.perf_counter()
+            dist.all_reduce(t)
+            sync()
+            out = min(out, time.perf_counter() - t0)
+        return out
+
+    n = max(1, nbytes // 4)
+    latency = best(torch.zeros(1, device=device), 5)
+    full = best(torch.zeros(n, device=device), 3)
+    return {"latency_s": latency, "s_per_byte": max(0.0, full - latency) / (4 * n)}

@@ -281,3 +281,27 @@ def test_png_of_before_and_after(tmp_path):
     b = model.breakdown([_report([_record(forward=5, backward=9, optimizer=5)] * 10)])
     assert report.draw(str(tmp_path / "x.png"), [("before", b), ("after", b)]) is None
     assert (tmp_path / "x.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_timed_link_splits_exposed_comm_into_bytes_and_waiting():
+    recs = [_record(forward=5, backward=90, comm=80, optimizer=5)] * 10
+    # 4 MiB at 20 ns per byte: 84 ms > 80 ms exposed: all of it is bytes
+    link = {"latency_s": 0.5 * MS, "s_per_byte": 20e-9}
+    slow = model.breakdown([_report(recs, world=2, local=2, grad_bytes=4 * 2**20, link=link)])
+    assert slow.comm_split() == (pytest.approx(80 * MS), 0.0)
+    assert slow.bottleneck() == "link"
+    assert model.advise(slow)[0].gain_s == pytest.approx(40 * MS)
+    # the same exposed comm on a link that moves the bytes in 4 ms: the ranks wait ~75 ms
+    fast = {"latency_s": 0.5 * MS, "s_per_byte": 1e-9}
+    b = model.breakdown(
+        [_report(recs, world=2, local=2, grad_bytes=4 * 2**20, buckets=1, link=fast)]
+    )
+    moved, wait = b.comm_split()
+    assert moved == pytest.approx(4 * 2**20 * 1e-9)
+    assert wait == pytest.approx(80 * MS - 0.5 * MS - moved)
+    assert b.bottleneck() == "ranks"
+    advice = model.advise(b)
+    assert advice[0].feature == "fp16 gradient compression"
+    assert advice[0].gain_s == pytest.approx(moved / 2)  # halves the bytes' part only
+    check = next(a for a in advice if a.feature == "slow-rank check")
+    assert check.gain_s is None and not check.flags and "--perf-check-n-steps" in check.use
