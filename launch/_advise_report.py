@@ -134,11 +134,18 @@ def document(
     return {
         "run": dict(run),
         "breakdown": b.as_dict(),
-        "facts": dict(b.facts),
+        "facts": _facts(b.facts),
         "advice": [a.as_dict(b.step) for a in advice],
         "not_needed": not_helping(b),
         "verify": None if verify is None else dict(verify),
     }
+
+
+def _facts(facts: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(facts)
+    if out.get("optimizer"):  # the shapes feed the cost model; the document keeps a count
+        out["optimizer"] = {k: v for k, v in out["optimizer"].items() if k != "shapes"}
+    return out
 
 
 def draw(path: str, bars: Sequence[tuple[str, Breakdown]]) -> str | None:
