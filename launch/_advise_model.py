@@ -415,7 +415,9 @@ def _comm(b: Breakdown, on: Mapping[str, str]) -> list[Advice]:
 
 def _compute(b: Breakdown) -> list[Advice]:
     if b.bottleneck() != "host":
-        if b.facts.get("cuda") and "float32" in (b.facts.get("optimizer") or {}).get("dtypes", []):
+        opt = b.facts.get("optimizer") or {}
+        mixed = opt.get("aiak_o2") or b.facts.get("autocast")
+        if b.facts.get("cuda") and not mixed and "float32" in opt.get("dtypes", []):
             return [
                 Advice(
                     "O2 mixed precision",

@@ -154,6 +154,8 @@ class _Probe:
             _Phase.name = "forward"
             if self.global_hooks:
                 self.roots.setdefault(id(module), module)
+            elif "autocast" not in self.facts:
+                self.facts["autocast"] = _autocast(self.torch)
         self.fwd_depth += 1
 
     def fwd_post(self, module: Any, args: Any, out: Any) -> None:
@@ -382,9 +384,18 @@ def _write(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _autocast(torch: Any) -> str | None:
+    """The autocast the forward runs under: ``"cuda:float16"``, ``"cpu:bfloat16"``, or None."""
+    for device in ("cuda", "cpu"):
+        if torch.is_autocast_enabled(device):
+            return f"{device}:{str(torch.get_autocast_dtype(device)).replace('torch.', '')}"
+    return None
+
+
 def _optimizer_facts(opt: Any) -> dict[str, Any]:
     params = [p for g in opt.param_groups for p in g["params"]]
     return {
+        "aiak_o2": getattr(opt, "_aiak_amp", None) is not None,
         "type": type(opt).__name__,
         "module": type(opt).__module__,
         "groups": len(opt.param_groups),

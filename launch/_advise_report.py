@@ -38,6 +38,9 @@ def _model_line(f: Mapping[str, Any], comm: float) -> str:
         )
     else:
         parts.append("no optimizer seen")
+    amp = "aiak O2" if opt.get("aiak_o2") else None
+    auto = f.get("autocast")
+    parts.append("AMP: " + (" + ".join(filter(None, (amp, auto and f"autocast {auto}"))) or "none"))
     if f.get("ddp"):
         buckets = f.get("buckets")
         parts.append(

@@ -254,6 +254,7 @@ def test_text_report_names_bottleneck_gain_flags_and_limits():
     assert "use: aiakrun --fp16-compression" in text
     assert "will not help:" in text
     assert "DDP 2 bucket(s), 4.00 MiB of gradients per step" in text
+    assert "AMP: none" in text
 
 
 def test_png_is_skipped_with_a_note_without_matplotlib(tmp_path, monkeypatch):
@@ -274,6 +275,8 @@ def test_on_cuda_the_host_share_of_compute_is_the_gpu_idle_share():
     busy = model.breakdown([{**r, "stream_empty": 10}])
     assert busy.bottleneck() == "compute"
     assert [a.feature for a in model.advise(busy)] == ["O2 mixed precision"]
+    r["facts"] = {**r["facts"], "autocast": "cuda:float16"}  # mixed precision already
+    assert model.advise(model.breakdown([{**r, "stream_empty": 10}])) == []
 
 
 def test_png_of_before_and_after(tmp_path):

@@ -73,6 +73,7 @@ def test_probe_times_every_phase_counts_ops_and_stops_after_the_measured_steps(p
     assert facts["optimizer"]["type"] == "SGD" and facts["optimizer"]["tensors"] == 4
     assert facts["optimizer"]["parameters"] == 4 * 8 + 8 + 8 + 1
     assert facts["forward_roots"] == ["Sequential"]
+    assert facts["autocast"] is None and not facts["optimizer"]["aiak_o2"]
     assert facts["loaders"] == [
         {
             "num_workers": 0,
@@ -102,6 +103,13 @@ def test_probe_sees_ddp_buckets_through_its_timed_allreduce_hook(probe, tmp_path
     assert doc["facts"]["ddp"][0]["bucket_cap_bytes"] > 0
     assert all(0 <= r["comm"] <= r["backward"] for r in doc["records"])
     assert doc["backend"] == "gloo"
+
+
+def test_probe_records_the_autocast_of_the_forward(probe, tmp_path):
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(_Stopped):
+        _train(100)
+    facts = json.loads((tmp_path / "rank0.json").read_text())["facts"]
+    assert facts["autocast"] == "cpu:bfloat16"
 
 
 def test_a_script_that_ends_early_writes_what_it_has(probe, tmp_path):
