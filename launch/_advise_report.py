@@ -118,14 +118,15 @@ def _verify_lines(v: Mapping[str, Any]) -> list[str]:
     if v.get("skipped"):
         return [f"verify: {v['skipped']}"]
     before, after, predicted = v["before_s"], v["after_s"], v.get("predicted_s")
-    out = [
-        f"verify: {v['feature']} ({v['how']})",
-        f"  before {_ms(before)} per step, after {_ms(after)}: x{before / after:.2f} "
-        f"(predicted {_ms(predicted)}"
-        + ("" if predicted is None else f", x{before / max(predicted, 1e-9):.2f}")
-        + ")",
-    ]
-    return out
+    line = f"  before {_ms(before)} per step, after {_ms(after)}: x{before / after:.2f}"
+    if predicted is None:
+        line += " (no prediction: the gain is not estimated)"
+    else:
+        line += (
+            f" (predicted {_ms(predicted)}, x{before / max(predicted, 1e-9):.2f}; "
+            f"measured / predicted step {after / max(predicted, 1e-9):.2f})"
+        )
+    return [f"verify: {v['feature']} ({v['how']})", line]
 
 
 def document(

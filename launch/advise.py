@@ -269,6 +269,8 @@ def _verify(
             "after_s": after.step,
             "predicted_s": predicted,
             "speedup": before.step / after.step if after.step > 0 else None,
+            # docs/advise.md states how far from the prediction a verified step may land
+            "measured_over_predicted": after.step / predicted if predicted else None,
             "after": after.as_dict(),
         }
         return result, after

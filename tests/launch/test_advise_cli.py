@@ -93,3 +93,69 @@ def _alive(pid: int) -> bool:
         return False
     state = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True)
     return not state.stdout.strip().startswith("Z")  # a zombie is dead, waiting to be reaped
+
+
+def _fake_reports(step_ms: float) -> list[dict]:
+    rec = dict.fromkeys(("data", "data_epoch_start", "forward", "backward", "comm"), 0.0)
+    rec.update(optimizer=step_ms * 1e-3 / 2, forward=step_ms * 1e-3 / 2, step=step_ms * 1e-3)
+    return [{"rank": 0, "records": [rec] * 5, "facts": {}, "ops": {}, "op_cost_s": 0.0}]
+
+
+def _advice(feature: str, gain: float | None, **kw) -> advise.model.Advice:
+    return advise.model.Advice(feature, True, "comm", gain, "why", "use", "not", **kw)
+
+
+def test_verify_runs_the_first_advice_that_can_be_switched_on(monkeypatch):
+    calls = []
+
+    def fake_measure(aiakrun_args, command, *args, trial=None, **kw):
+        calls.append((list(aiakrun_args), trial))
+        return _fake_reports(60.0), ""
+
+    monkeypatch.setattr(advise, "measure", fake_measure)
+    ns = advise._parser().parse_args(["--steps", "5"])
+    ns.warmup_steps, ns.seconds, ns.limit = 3, None, 100.0
+    before = advise.model.breakdown(_fake_reports(100.0))
+    advice = [
+        _advice("outside", 0.05),  # a code change aiak-advise cannot make: skipped
+        _advice("PowerSGD (rank 2)", 0.04, flags=("--powersgd", "--rank", "2")),
+    ]
+    result, after = advise._verify(ns, ["-np", "2"], ["python", "t.py"], before, advice, {})
+    # PowerSGD's trial compresses from step 2 so that the measured steps are compressed
+    assert calls == [
+        (["--powersgd", "--rank", "2", "--start-compress-iter", "2", "-np", "2"], None)
+    ]
+    assert result["before_s"] == pytest.approx(0.1) and result["after_s"] == pytest.approx(0.06)
+    assert result["predicted_s"] == pytest.approx(0.06)
+    assert result["measured_over_predicted"] == pytest.approx(1.0)
+    assert after is not None and after.step == pytest.approx(0.06)
+    text = advise.report._verify_lines(result)
+    assert "before 100.0 ms per step, after 60.0 ms: x1.67" in text[1]
+    assert "measured / predicted step 1.00" in text[1]
+
+
+def test_verify_of_a_code_line_feature_runs_its_trial(monkeypatch):
+    calls = []
+
+    def fake_measure(aiakrun_args, command, *args, trial=None, **kw):
+        calls.append((list(aiakrun_args), trial))
+        return _fake_reports(50.0), ""
+
+    monkeypatch.setattr(advise, "measure", fake_measure)
+    ns = advise._parser().parse_args([])
+    ns.steps, ns.warmup_steps, ns.seconds, ns.limit = 5, 3, None, 100.0
+    before = advise.model.breakdown(_fake_reports(100.0))
+    advice = [_advice("CrossEpochLoader", None, trial="cross-epoch-loader")]
+    result, _ = advise._verify(ns, ["-np", "1"], ["python", "t.py"], before, advice, {})
+    assert calls == [(["-np", "1"], "cross-epoch-loader")]
+    assert "applied for this run by the probe" in result["how"]
+    assert "no prediction" in advise.report._verify_lines(result)[1]
+
+
+def test_verify_refuses_flags_that_conflict_with_the_runs_own(monkeypatch):
+    monkeypatch.setattr(advise, "measure", lambda *a, **k: pytest.fail("must not run"))
+    ns = advise._parser().parse_args([])
+    before = advise.model.breakdown(_fake_reports(100.0))
+    advice = [_advice("fp16 gradient compression", 0.05, flags=("--fp16-compression",))]
+    result, after = advise._verify(ns, ["--dgc"], ["python", "t.py"], before, advice, {})
+    assert after is None and "cannot be combined" in result["skipped"]
