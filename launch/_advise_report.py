@@ -80,6 +80,11 @@ def text(
         + ("" if b.gpu_idle is None else f"; GPU queue empty at {b.gpu_idle:.0%} of boundaries"),
         "model: " + _model_line(f, b.comm),
     ]
+    if run.get("incomplete_ranks"):
+        lines.append(
+            f"  note: rank(s) {run['incomplete_ranks']} ended before the last measured step "
+            "(the script finished first): fewer steps, and no link timing"
+        )
     name = b.bottleneck()
     lines.append(
         f"bottleneck: {name} — {_WHAT[name]} {b.share(_PHASE_OF.get(name, name)):.0%} of the step"

@@ -233,7 +233,6 @@ def _verify(
     command: list[str],
     before: model.Breakdown,
     advice: Sequence[model.Advice],
-    on: Mapping[str, str],
 ) -> tuple[dict[str, Any], model.Breakdown | None]:
     for a in advice:
         if not a.flags and not a.trial:
@@ -315,15 +314,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         if args.show_output:
             print(out, file=sys.stderr)
+        run["incomplete_ranks"] = [r["rank"] for r in reports if not r.get("complete")]
         before = model.breakdown(reports)
         advice = model.advise(before, on)
         verify, after = (None, None)
         if args.verify:
-            verify, after = _verify(args, aiakrun_args, command, before, advice, on)
+            verify, after = _verify(args, aiakrun_args, command, before, advice)
     except (AdviseError, ValueError) as e:
         print(f"aiak-advise: {e}", file=sys.stderr)
         return 1
-    run["incomplete_ranks"] = [r["rank"] for r in reports if not r.get("complete")]
     if args.json:
         print(json.dumps(report.document(before, advice, run, verify), indent=1, default=str))
     else:

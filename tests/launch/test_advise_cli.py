@@ -120,7 +120,7 @@ def test_verify_runs_the_first_advice_that_can_be_switched_on(monkeypatch):
         _advice("outside", 0.05),  # a code change aiak-advise cannot make: skipped
         _advice("PowerSGD (rank 2)", 0.04, flags=("--powersgd", "--rank", "2")),
     ]
-    result, after = advise._verify(ns, ["-np", "2"], ["python", "t.py"], before, advice, {})
+    result, after = advise._verify(ns, ["-np", "2"], ["python", "t.py"], before, advice)
     # PowerSGD's trial compresses from step 2 so that the measured steps are compressed
     assert calls == [
         (["--powersgd", "--rank", "2", "--start-compress-iter", "2", "-np", "2"], None)
@@ -146,7 +146,7 @@ def test_verify_of_a_code_line_feature_runs_its_trial(monkeypatch):
     ns.steps, ns.warmup_steps, ns.seconds, ns.limit = 5, 3, None, 100.0
     before = advise.model.breakdown(_fake_reports(100.0))
     advice = [_advice("CrossEpochLoader", None, trial="cross-epoch-loader")]
-    result, _ = advise._verify(ns, ["-np", "1"], ["python", "t.py"], before, advice, {})
+    result, _ = advise._verify(ns, ["-np", "1"], ["python", "t.py"], before, advice)
     assert calls == [(["-np", "1"], "cross-epoch-loader")]
     assert "applied for this run by the probe" in result["how"]
     assert "no prediction" in advise.report._verify_lines(result)[1]
@@ -157,5 +157,5 @@ def test_verify_refuses_flags_that_conflict_with_the_runs_own(monkeypatch):
     ns = advise._parser().parse_args([])
     before = advise.model.breakdown(_fake_reports(100.0))
     advice = [_advice("fp16 gradient compression", 0.05, flags=("--fp16-compression",))]
-    result, after = advise._verify(ns, ["--dgc"], ["python", "t.py"], before, advice, {})
+    result, after = advise._verify(ns, ["--dgc"], ["python", "t.py"], before, advice)
     assert after is None and "cannot be combined" in result["skipped"]

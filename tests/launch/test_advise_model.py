@@ -257,6 +257,13 @@ def test_text_report_names_bottleneck_gain_flags_and_limits():
     assert "AMP: none" in text
 
 
+def test_text_report_notes_ranks_that_ended_early():
+    b = model.breakdown([_report([_record(forward=5, backward=9, optimizer=5)] * 10)])
+    text = report.text(b, [], {"warmup": 5, "incomplete_ranks": [1]})
+    assert "rank(s) [1] ended before the last measured step" in text
+    assert "nothing in aiak's cost model saves 2% of this step" in text
+
+
 def test_png_is_skipped_with_a_note_without_matplotlib(tmp_path, monkeypatch):
     recs = [_record(forward=5, backward=9, optimizer=5)] * 10
     b = model.breakdown([_report(recs)])
