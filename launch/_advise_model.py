@@ -343,17 +343,20 @@ def _comm(b: Breakdown, on: Mapping[str, str]) -> list[Advice]:
     local = max(1, int(b.facts.get("local_world", 1)))
     nodes = max(1, world // local)
     if nodes > 1 and local > 1 and on.get("AIAK_HIERARCHICAL_ALLREDUCE") != "1":
-        flat = (world - 1) / world
-        ratio = ((nodes - 1) / nodes / local) / flat
+        # bytes through a node's link per step, in units of the gradients: the flat ring's
+        # boundary rank sends 2(N-1)/N; two levels send 2(M-1)/M (L ranks, 1/L each)
+        flat = 2 * (world - 1) / world
+        two = 2 * (nodes - 1) / nodes
+        ratio = two / flat
         out.append(
             Advice(
                 "hierarchical allreduce",
                 True,
                 "comm",
                 c * (1 - ratio),
-                f"{nodes} nodes of {local}: a flat ring sends {flat:.2f} x the gradients over "
-                f"the links between nodes; two levels send {ratio * flat:.3f} x (the "
-                f"intra-node reduce-scatter leaves 1/{local} to cross)",
+                f"{nodes} nodes of {local}: a flat ring sends {flat:.2f} x the gradients through "
+                f"each node's link per step; two levels send {two:.2f} x (the intra-node "
+                f"reduce-scatter leaves each of the {local} ranks 1/{local} to exchange)",
                 "aiakrun --hierarchical-allreduce",
                 "a job on one node; the intra-node links",
                 flags=("--hierarchical-allreduce",),

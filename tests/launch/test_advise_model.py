@@ -107,8 +107,8 @@ def test_two_nodes_get_the_hierarchical_allreduce_with_its_bytes_ratio():
     recs = [_record(forward=5, backward=90, comm=80, optimizer=5)] * 10
     b = model.breakdown([_report(recs, world=8, local=4, grad_bytes=2**20)])
     hier = next(a for a in model.advise(b) if a.feature == "hierarchical allreduce")
-    # flat ring: 7/8 of the bytes cross; two levels: (1/2) / 4 = 1/8 of them
-    assert hier.gain_s == pytest.approx(80 * MS * (1 - (1 / 8) / (7 / 8)))
+    # through a node's link: the flat ring 2 x 7/8 of the gradients, two levels 2 x 1/2
+    assert hier.gain_s == pytest.approx(80 * MS * (1 - (1 / 2) / (7 / 8)))
     assert hier.flags == ("--hierarchical-allreduce",) and not hier.changes_update
 
 
