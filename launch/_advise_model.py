@@ -17,7 +17,7 @@ __all__ = ["Advice", "Breakdown", "advise", "breakdown"]
 PHASES = ("data", "compute", "comm", "optimizer", "other")
 # A gain under this share of the step is inside the step's run-to-run noise: not advised.
 MIN_GAIN = 0.02
-# A phase whose ops cost the host at least this share of its time is host-bound.
+# A phase is host-bound when at least this share of its time is the host's, not its work.
 HOST_BOUND = 0.5
 
 
