@@ -172,3 +172,24 @@ def test_seconds_bound_rank_0_names_the_last_step_two_ahead(probe, tmp_path):
     assert (tmp_path / "stop").read_text() == str(2 + 1 + 2)
     assert probe.step == 2 + 1 + 2
     assert len(json.loads((tmp_path / "rank0.json").read_text())["records"]) == 3
+
+
+def test_stream_samples_count_an_empty_gpu_queue_at_each_boundary(probe, tmp_path, monkeypatch):
+    class _Stream:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def query(self) -> bool:  # empty at every other boundary
+            self.calls += 1
+            return self.calls % 2 == 0
+
+    stream = _Stream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: stream)
+    probe.cuda = True
+    probe.samples = [0, 0]
+    for _ in range(6):
+        probe.sample_stream()
+    assert probe.samples == [6, 3] and stream.calls == 6
+    probe.cuda = False  # a CPU model: no sampling
+    probe.sample_stream()
+    assert stream.calls == 6
