@@ -1,0 +1,492 @@
+"""aiak-advise's attribution and cost model: rank reports in, a ranked list of advice out.
+
+Pure functions of the probe's reports (``_advise_probe``), so the model is tested without
+starting any process. docs/advise.md states every rule used here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["Advice", "Breakdown", "advise", "breakdown"]
+
+PHASES = ("data", "compute", "comm", "optimizer", "other")
+# A gain under this share of the step is inside the step's run-to-run noise: not advised.
+MIN_GAIN = 0.02
+# A phase is host-bound when at least this share of its time is the host's, not its work.
+HOST_BOUND = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class Breakdown:
+    """One step, attributed (seconds: trimmed means over the measured steps, mean over ranks)."""
+
+    step: float
+    data: float
+    data_epoch_start: float
+    forward: float
+    backward: float
+    comm: float
+    optimizer: float
+    host: Mapping[str, float]  # phase -> the share of its time its ops cost the host
+    gpu_idle: float | None  # share of boundary samples with the GPU's queue empty (CUDA only)
+    facts: Mapping[str, Any]
+    ranks: int
+    steps: int
+
+    @property
+    def compute(self) -> float:
+        """Forward and backward, without the communication the backward did not hide."""
+        return max(0.0, self.forward + self.backward - self.comm)
+
+    @property
+    def other(self) -> float:
+        """The loop's own code between the phases (zero_grad, logging, ``.item()``)."""
+        used = self.data + self.forward + self.backward + self.optimizer
+        return max(0.0, self.step - used)
+
+    def share(self, phase: str) -> float:
+        return getattr(self, phase) / self.step if self.step > 0 else 0.0
+
+    def comm_split(self) -> tuple[float, float]:
+        """(seconds the exposed comm spends moving bytes, seconds it waits for other ranks),
+        from the link timed at the end of the run; all of it is bytes when no link was timed."""
+        link = self.facts.get("link")
+        if not link:
+            return self.comm, 0.0
+        buckets = max(1, int(self.facts.get("buckets", 1)))
+        moved = int(self.facts.get("grad_bytes", 0)) * float(link["s_per_byte"])
+        wait = max(0.0, self.comm - buckets * float(link["latency_s"]) - moved)
+        return min(self.comm, moved), wait
+
+    def bottleneck(self) -> str:
+        """The largest phase, named for what limits it: data, host, compute, link, ranks
+        (the exposed comm is mostly ranks waiting for each other), optimizer, or loop (the
+        script's own code between phases)."""
+        phase = max(PHASES, key=self.share)
+        if phase == "compute":
+            idle = self.gpu_idle is not None and self.gpu_idle >= HOST_BOUND
+            return "host" if idle or self.host.get("compute", 0.0) >= HOST_BOUND else "compute"
+        if phase == "comm" and self.comm_split()[1] > self.comm / 2:
+            return "ranks"
+        return {"comm": "link", "other": "loop"}.get(phase, phase)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = {f: getattr(self, f) for f in ("step", "data", "data_epoch_start", "forward")}
+        d.update(backward=self.backward, comm=self.comm, optimizer=self.optimizer)
+        d.update(compute=self.compute, other=self.other, host=dict(self.host))
+        d.update(gpu_idle=self.gpu_idle, ranks=self.ranks, steps=self.steps)
+        d["shares"] = {p: round(self.share(p), 4) for p in PHASES}
+        d["bottleneck"] = self.bottleneck()
+        return d
+
+
+@dataclasses.dataclass(frozen=True)
+class Advice:
+    feature: str
+    aiak: bool  # an aiak feature (else a change outside aiak, said so)
+    phase: str
+    gain_s: float | None  # expected saving per step (None: not estimated, said why)
+    why: str
+    use: str  # the aiakrun flags or the code line
+    not_helps: str
+    flags: tuple[str, ...] = ()  # aiakrun flags that switch it on (for --verify)
+    trial: str | None = None  # or the probe's trial name for a code-line feature
+    changes_update: bool = False  # alters the training's maths (needs a convergence check)
+
+    def rank_key(self, step: float) -> float:
+        if self.gain_s is None:
+            return 1.0  # after every estimated gain
+        # A feature that changes the update counts half its gain: it must also pay for a
+        # convergence check before it is used for real.
+        return -(self.gain_s / step) * (0.5 if self.changes_update else 1.0)
+
+    def as_dict(self, step: float) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["flags"] = list(self.flags)
+        d["gain"] = None if self.gain_s is None else round(self.gain_s / step, 4)
+        return d
+
+
+_KEYS = ("step", "data", "data_epoch_start", "forward", "backward", "comm", "optimizer")
+
+
+def _typical(records: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Means over the steps left after dropping the fastest and slowest fifth (by step time):
+    robust to a stray slow step, and the phases still add up to the step."""
+    ordered = sorted(records, key=lambda r: float(r.get("step", 0.0)))
+    cut = len(ordered) // 5
+    kept = ordered[cut : len(ordered) - cut] or ordered
+    return {k: statistics.fmean(float(r.get(k, 0.0)) for r in kept) for k in _KEYS}
+
+
+def breakdown(reports: Sequence[Mapping[str, Any]]) -> Breakdown:
+    """Medians per rank, then the mean over ranks; ``ValueError`` when no step was measured."""
+    if not reports:
+        raise ValueError("reports: no rank wrote a report")
+    used = [r for r in reports if r.get("records")]
+    if not used:
+        seen = max(int(r.get("steps_seen", 0)) for r in reports)
+        warm = max(int(r.get("warmup", 0)) for r in reports)
+        raise ValueError(
+            f"reports: no measured step: the script finished {seen} optimizer step(s), the "
+            f"warm-up is {warm}; a step is one optimizer.step() call"
+        )
+    per_rank = [_typical(r["records"]) for r in used]
+    mean = {k: statistics.fmean(p[k] for p in per_rank) for k in _KEYS}
+    r0 = min(used, key=lambda r: r.get("rank", 0))
+    cost = float(r0.get("op_cost_s", 0.0))
+    ops = r0.get("ops", {})
+    work = r0.get("work", {})
+    rates = r0.get("rates", {})
+    host = {
+        # the optimizer: its ops' fixed host cost (what a multi-tensor update saves)
+        "optimizer": _share(ops.get("optimizer", 0) * cost, mean["optimizer"]),
+        # forward + backward: what their work (elements written, multiply-adds at this
+        # machine's rates) does not explain is the host's
+        "compute": 1.0
+        - _share(
+            sum(
+                work.get(p, (0, 0))[0] * rates.get("elem_s", 0.0)
+                + work.get(p, (0, 0))[1] * rates.get("mac_s", 0.0)
+                for p in ("forward", "backward")
+            ),
+            mean["forward"] + mean["backward"] - min(mean["comm"], mean["backward"]),
+        ),
+    }
+    samples = sum(int(r.get("stream_samples", 0)) for r in used)
+    empty = sum(int(r.get("stream_empty", 0)) for r in used)
+    gpu_idle = (empty / samples) if samples and r0.get("cuda") else None
+    if r0.get("cuda"):
+        # the CPU's rates say nothing of GPU work: the GPU's empty queue is the host's share
+        host["compute"] = gpu_idle or 0.0
+    facts = dict(r0.get("facts", {}))
+    facts.update(
+        world=int(r0.get("world", 1)),
+        local_world=int(r0.get("local_world", 1)),
+        backend=r0.get("backend"),
+        cuda=bool(r0.get("cuda", False)),
+        op_cost_s=cost,
+        ops=dict(ops),
+    )
+    return Breakdown(
+        step=mean["step"],
+        data=mean["data"],
+        data_epoch_start=min(mean["data_epoch_start"], mean["data"]),
+        forward=mean["forward"],
+        backward=mean["backward"],
+        comm=min(mean["comm"], mean["backward"]),
+        optimizer=mean["optimizer"],
+        host=host,
+        gpu_idle=gpu_idle,
+        facts=facts,
+        ranks=len(used),
+        steps=min(len(r["records"]) for r in used),
+    )
+
+
+def _share(part: float, whole: float) -> float:
+    return min(1.0, max(0.0, part / whole)) if whole > 0 else 0.0
+
+
+# -- the cost model, per phase ----------------------------------------------------------------
+
+
+def _data(b: Breakdown) -> list[Advice]:
+    out: list[Advice] = []
+    loaders = b.facts.get("loaders", [])
+    if b.data <= 0:
+        return out
+    start, steady = b.data_epoch_start, b.data - b.data_epoch_start
+    with_workers = [f for f in loaders if f.get("num_workers", 0) >= 1 and f.get("map_style")]
+    no_workers = [f for f in loaders if f.get("num_workers", 0) == 0]
+    if with_workers and not any(f.get("cross_epoch_trial") for f in with_workers):
+        out.append(
+            Advice(
+                "CrossEpochLoader",
+                True,
+                "data",
+                start,
+                f"{_ms(start)} of each step is the wait at an epoch's start (iter() starting "
+                "workers, then the first batch); CrossEpochLoader keeps its workers and a window "
+                "of batches in flight across the epoch boundary, so that wait goes",
+                "from aiak.data import CrossEpochLoader; loader = CrossEpochLoader(loader)  "
+                "# close() it, or use it as a context manager",
+                "the loading rate within an epoch (more workers or a faster dataset does)",
+                trial="cross-epoch-loader",
+            )
+        )
+    if no_workers:
+        k = 4
+        out.append(
+            Advice(
+                "DataLoader workers",
+                False,
+                "data",
+                b.data * (1 - 1 / k),
+                f"the DataLoader loads in the training process ({_ms(b.data)} per step); "
+                f"{k} workers load {k} batches at once while the step computes, so the wait "
+                f"falls to at most 1/{k} of it",
+                f"DataLoader(..., num_workers={k}, persistent_workers=True)  (torch)",
+                "a dataset slower than the step even with workers",
+            )
+        )
+    elif steady > 0:
+        n = max(f.get("num_workers", 1) for f in loaders) if loaders else 1
+        out.append(
+            Advice(
+                "more DataLoader workers",
+                False,
+                "data",
+                steady,
+                f"{_ms(steady)} per step is waited inside the epoch with {n} worker(s): they "
+                "produce batches slower than the step consumes them",
+                f"DataLoader(..., num_workers={2 * n})  (torch), or a faster dataset",
+                "the epoch-start wait (CrossEpochLoader does)",
+            )
+        )
+    if b.facts.get("cuda"):
+        out.append(
+            Advice(
+                "CudaPrefetcher",
+                True,
+                "data",
+                None,
+                "host-to-GPU copies of the batch run on the compute stream unless a side stream "
+                "takes them; their time is not measured by the probe",
+                "from aiak.data import CudaPrefetcher; loader = CudaPrefetcher(loader)",
+                "a dataset that is slow on the host",
+            )
+        )
+    return out
+
+
+def _optimizer(b: Breakdown, on: Mapping[str, str]) -> list[Advice]:
+    opt = b.facts.get("optimizer")
+    if not opt or b.optimizer <= 0:
+        return []
+    name, module = opt.get("type", ""), opt.get("module", "")
+    n, groups = max(1, int(opt.get("tensors", 1))), max(1, int(opt.get("groups", 1)))
+    # torch's foreach path dispatches few ops: the op count gives it a small gain by itself
+    if (
+        not module.startswith("torch.optim")
+        or name not in ("Adam", "AdamW", "SGD")
+        or opt.get("fused") is True
+    ):
+        return []
+    if on.get("AIAK_FUSED_OPTIMIZER") == "1" or on.get("AIAK_DGC") == "1":
+        return []
+    host = b.host.get("optimizer", 0.0) * b.optimizer
+    gain = host * (1 - groups / n)
+    return [
+        Advice(
+            "fused optimizer",
+            True,
+            "optimizer",
+            gain,
+            f"torch's {name} updates {n} tensors one by one: about {_ms(host)} of its "
+            f"{_ms(b.optimizer)} per step is the host's cost of its ops; the fused twin "
+            f"updates each of the {groups} group(s) in one multi-tensor call",
+            "aiakrun --fuse-optimizer",
+            "the arithmetic on the parameters and their state (its bytes); a custom optimizer",
+            flags=("--fuse-optimizer",),
+        )
+    ]
+
+
+def _powersgd_ratio(shapes: Sequence[Sequence[int]], rank: int) -> float:
+    full = comp = 0
+    for s in shapes:
+        numel = math.prod(s) if s else 1
+        full += numel
+        if len(s) >= 2:
+            m, k = s[0], numel // max(1, s[0])
+            comp += min(numel, rank * (m + k))
+        else:
+            comp += numel
+    return comp / full if full else 1.0
+
+
+def _comm(b: Breakdown, on: Mapping[str, str]) -> list[Advice]:
+    c = b.comm
+    world = int(b.facts.get("world", 1))
+    if c <= 0 or world < 2:
+        return []
+    opt = b.facts.get("optimizer") or {}
+    grad_bytes = int(b.facts.get("grad_bytes", 0))
+    compressed = any(
+        on.get(k) == "1" for k in ("AIAK_FP16_COMPRESSION", "AIAK_POWERSGD_COMPRESSION", "AIAK_DGC")
+    )
+    out: list[Advice] = []
+    link = b.facts.get("link")
+    moved, wait = b.comm_split()
+    if wait >= MIN_GAIN * b.step:
+        buckets = max(1, int(b.facts.get("buckets", 1)))
+        out.append(
+            Advice(
+                "slow-rank check",
+                True,
+                "comm",
+                None,
+                f"{_ms(wait)} of the exposed {_ms(c)} is not the link ({buckets} bucket(s) "
+                f"at {_ms(float(link['latency_s']))} latency, {grad_bytes / 2**20:.2f} MiB "
+                f"at {_rate(link)}): the ranks wait for each other",
+                "aiakrun --perf-check-n-steps 10  (names a rank slower than the median)",
+                "it finds the slow rank; it does not make it faster",
+            )
+        )
+    c = moved  # compression and two levels shorten the bytes' part only
+    local = max(1, int(b.facts.get("local_world", 1)))
+    nodes = max(1, world // local)
+    if nodes > 1 and local > 1 and on.get("AIAK_HIERARCHICAL_ALLREDUCE") != "1":
+        # bytes through a node's link per step, in units of the gradients: the flat ring's
+        # boundary rank sends 2(N-1)/N; two levels send 2(M-1)/M (L ranks, 1/L each)
+        flat = 2 * (world - 1) / world
+        two = 2 * (nodes - 1) / nodes
+        ratio = two / flat
+        out.append(
+            Advice(
+                "hierarchical allreduce",
+                True,
+                "comm",
+                c * (1 - ratio),
+                f"{nodes} nodes of {local}: a flat ring sends {flat:.2f} x the gradients through "
+                f"each node's link per step; two levels send {two:.2f} x (the intra-node "
+                f"reduce-scatter leaves each of the {local} ranks 1/{local} to exchange)",
+                "aiakrun --hierarchical-allreduce",
+                "a job on one node; the intra-node links",
+                flags=("--hierarchical-allreduce",),
+            )
+        )
+    if compressed:
+        return out
+    mib = grad_bytes / 2**20
+    if "float32" in opt.get("dtypes", ["float32"]):
+        out.append(
+            Advice(
+                "fp16 gradient compression",
+                True,
+                "comm",
+                c * 0.5,
+                f"{_ms(c)} per step of the communication the backward does not hide moves "
+                f"bytes{' (at the measured link rate)' if link else ' (assumed: no link rate)'}; "
+                f"{mib:.1f} MiB of fp32 gradients go on the wire as fp16: half the bytes",
+                "aiakrun --fp16-compression",
+                "latency-bound exchanges of small buckets; the backward itself",
+                flags=("--fp16-compression",),
+            )
+        )
+    shapes = opt.get("shapes", [])
+    if shapes:
+        ratio = _powersgd_ratio(shapes, 2)
+        out.append(
+            Advice(
+                "PowerSGD (rank 2)",
+                True,
+                "comm",
+                c * (1 - ratio),
+                f"rank-2 factors of the weight matrices send {ratio:.3f} x the gradient bytes",
+                "aiakrun --powersgd --rank 2  (compression starts at --start-compress-iter, "
+                "default step 1000)",
+                "models of vectors and small matrices; it changes the update (error feedback)",
+                flags=("--powersgd", "--rank", "2", "--start-compress-iter", "2"),
+                changes_update=True,
+            )
+        )
+    if opt.get("type") == "SGD" and on.get("AIAK_FUSED_OPTIMIZER") != "1":
+        ratio = min(1.0, world * 0.001 * 12 / 8)  # allgather of 0.1% (fp32 + int64 index)
+        out.append(
+            Advice(
+                "DGC",
+                True,
+                "comm",
+                c * (1 - ratio),
+                f"0.1% of the gradients (value + index) allgathered over {world} ranks: "
+                f"{ratio:.3f} x a dense ring's bytes",
+                "aiakrun --dgc",
+                "non-SGD optimizers; it changes the update (momentum correction)",
+                flags=("--dgc",),
+                changes_update=True,
+            )
+        )
+    return out
+
+
+def _compute(b: Breakdown) -> list[Advice]:
+    if b.bottleneck() != "host":
+        opt = b.facts.get("optimizer") or {}
+        mixed = opt.get("aiak_o2") or b.facts.get("autocast")
+        if b.facts.get("cuda") and not mixed and "float32" in opt.get("dtypes", []):
+            return [
+                Advice(
+                    "O2 mixed precision",
+                    True,
+                    "compute",
+                    None,
+                    "fp32 parameters on the GPU: half precision runs the matrix units at "
+                    "their fp16/bf16 rate; the gain depends on the model's matrix share, "
+                    "which the probe does not measure",
+                    "model, optimizer = aiak.amp.decorate(model, optimizer)  "
+                    "# with torch.autocast and a GradScaler",
+                    "host-bound or communication-bound steps",
+                )
+            ]
+        return []
+    h = max(b.host.get("compute", 0.0), b.gpu_idle or 0.0)
+    gain = b.compute * h * 0.5
+    return [
+        Advice(
+            "larger batch, or CUDA graphs",
+            False,
+            "compute",
+            gain,
+            f"the forward and backward are host-bound: their ops' host cost is {h:.0%} of "
+            f"their {_ms(b.compute)}; twice the batch per step halves that cost per sample "
+            "(on a GPU, CUDA graphs / torch.compile(mode='reduce-overhead') remove it)",
+            "a larger batch_size (scale the learning rate, or torch.optim.LAMB under aiakrun), "
+            "or torch.compile(model, mode='reduce-overhead') on a GPU  (outside aiak)",
+            "aiak's kernels, compression and O2 make the device faster, not the host: "
+            "they do not help a host-bound step",
+        )
+    ]
+
+
+def advise(b: Breakdown, on: Mapping[str, str] | None = None) -> list[Advice]:
+    """The advice for this breakdown, best first; ``on``: the variables already set."""
+    on = dict(on or {})
+    found = [*_data(b), *_optimizer(b, on), *_comm(b, on), *_compute(b)]
+    keep = [a for a in found if a.gain_s is None or a.gain_s >= MIN_GAIN * b.step]
+    bottleneck = {"host": "compute", "link": "comm", "ranks": "comm", "loop": "other"}.get(
+        b.bottleneck(), b.bottleneck()
+    )
+    # Estimated gains first, by size; then unestimated ones of the bottleneck's phase.
+    keep = [a for a in keep if a.gain_s is not None or a.phase == bottleneck]
+    return sorted(keep, key=lambda a: a.rank_key(b.step))
+
+
+def not_helping(b: Breakdown) -> list[str]:
+    """Families of aiak features this step does not need, with the number that says so."""
+    out = []
+    if b.share("comm") < MIN_GAIN:
+        why = "one process" if int(b.facts.get("world", 1)) < 2 else f"{b.share('comm'):.0%}"
+        out.append(f"gradient compression / hierarchical allreduce: communication is {why}")
+    if b.share("data") < MIN_GAIN:
+        out.append(f"data loaders / prefetcher: {b.share('data'):.0%} of the step waits for data")
+    if b.share("optimizer") < MIN_GAIN:
+        out.append(f"fused optimizers: the optimizer is {b.share('optimizer'):.0%} of the step")
+    if not b.facts.get("cuda"):
+        out.append("O2 mixed precision and aiak's CUDA kernels: this run has no GPU")
+    return out
+
+
+def _rate(link: Mapping[str, float]) -> str:
+    per_byte = float(link["s_per_byte"])
+    return "no measurable time per byte" if per_byte <= 0 else f"{1e-6 / per_byte:.0f} MB/s"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"

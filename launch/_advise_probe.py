@@ -1,0 +1,560 @@
+"""aiak-advise's instrumentation inside each training process (the worker side).
+
+``aiak-advise`` starts the job through ``aiakrun`` with a start-up folder of its own on
+PYTHONPATH; its ``sitecustomize`` calls :func:`boot`, which waits for ``import torch`` (after
+aiak's own activation) and then installs the probe. The probe times, per optimizer step:
+
+- data: time in the ``DataLoader``'s ``iter()`` and ``next()`` (``iter()`` and the first batch
+  of each pass are the epoch-start wait);
+- forward: time in the forward of the modules called at top level (found during warm-up with
+  global module hooks, then timed with hooks on those modules only);
+- backward: time in ``torch.autograd.backward``; comm: inside it, the time the backward's thread
+  spends in the DDP comm hook plus the wait from the last bucket's hook to its future's result
+  (the communication the backward did not hide);
+- optimizer: time in ``step()`` (torch's global optimizer step hooks); a step ends when the
+  first optimizer seen finishes its ``step()``.
+
+One warm-up step runs under a dispatch mode that counts the ops of each phase; the host cost of
+an op with no work is calibrated at the end, so ``ops x cost`` is the host's share of a phase.
+With CUDA, the compute stream is sampled at each phase boundary: an empty queue while Python
+runs is the GPU waiting for the host. After ``AIAK_ADVISE_WARMUP`` + ``AIAK_ADVISE_STEPS``
+steps (or ``AIAK_ADVISE_SECONDS``), each rank writes ``rank<R>.json`` to ``AIAK_ADVISE_DIR``,
+stops its data-loader workers and exits with status 0; a script that ends first writes what it
+has at exit. DDP models with no comm hook get torch's ``allreduce_hook`` (wrapped by the timer)
+at their first forward: the buckets are then visible to the probe.
+
+``AIAK_ADVISE_TRY=cross-epoch-loader`` (``aiak-advise --verify`` only) serves each
+``DataLoader`` with workers through ``aiak.data.CrossEpochLoader``: the object the recommended
+code line builds, applied here so the trial needs no change to the user's files.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import sys
+import time
+import weakref
+from typing import Any
+
+from aiak.launch import _advise_work
+
+__all__ = ["boot", "install", "uninstall"]
+
+_ENV_DIR = "AIAK_ADVISE_DIR"
+_ENV_OWNER = "AIAK_ADVISE_OWNER"
+
+
+def _int_env(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    return int(raw) if raw else default
+
+
+class _Phase:
+    """Which phase the main thread is in (for the op counter); nested phases restore."""
+
+    name = "other"
+
+
+class _Probe:
+    def __init__(self, out_dir: str) -> None:
+        import torch
+
+        self.torch = torch
+        self.out_dir = out_dir
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.warmup = max(2, _int_env("AIAK_ADVISE_WARMUP", 5))
+        self.steps = max(1, _int_env("AIAK_ADVISE_STEPS", 30))
+        raw = os.environ.get("AIAK_ADVISE_SECONDS", "").strip()
+        self.seconds = float(raw) if raw else 0.0
+        self.trials = {t for t in os.environ.get("AIAK_ADVISE_TRY", "").split(",") if t}
+        self.step = 0  # optimizer steps finished
+        self.stop_at: int | None = None
+        self.measure_start = 0.0
+        self.mark = time.perf_counter()  # the end of the previous step
+        self.cur = self._blank()
+        self.records: list[dict[str, float]] = []
+        self.facts: dict[str, Any] = {"loaders": [], "ddp": []}
+        self.primary: int | None = None  # id of the optimizer whose step() ends a step
+        self.opt_t0: float | None = None
+        self.fwd_depth = 0
+        self.fwd_t0 = 0.0
+        self.roots: dict[int, Any] = {}
+        self.global_hooks: list[Any] = []
+        self.undo: list[Any] = []  # what uninstall() calls, last first
+        self.iters: Any = weakref.WeakSet()  # live data-loader iterators (to stop workers)
+        self.cross_epoch: list[Any] = []
+        self.counter: Any = None
+        self.ops = {"data": 0, "forward": 0, "backward": 0, "optimizer": 0, "other": 0}
+        self.work = {k: [0, 0] for k in self.ops}  # phase -> [elements written, multiply-adds]
+        self.cuda = False
+        self.samples = [0, 0]  # [boundaries sampled, of which the stream was empty]
+        self.written = False
+        self.exit = os._exit  # how a rank ends after its last measured step
+        self.buckets: dict[int, int] = {}  # bucket index -> bytes (this step)
+        self.last_hook_end = 0.0
+        self.last_future = 0.0
+        self.comm_hook = 0.0
+
+    @staticmethod
+    def _blank() -> dict[str, float]:
+        return dict.fromkeys(
+            ("data", "data_epoch_start", "forward", "backward", "comm", "optimizer"), 0.0
+        )
+
+    # -- boundaries ---------------------------------------------------------------------------
+
+    def sample_stream(self) -> None:
+        if not self.cuda:
+            return
+        self.samples[0] += 1
+        if self.torch.cuda.current_stream().query():
+            self.samples[1] += 1
+
+    def measuring(self) -> bool:
+        return self.step >= self.warmup
+
+    # -- data ---------------------------------------------------------------------------------
+
+    def timed_iter(self, loader: Any, make: Any) -> Any:
+        t0 = time.perf_counter()
+        _Phase.name = "data"
+        inner = make()
+        _Phase.name = "other"
+        it = _TimedIter(self, inner, time.perf_counter() - t0)
+        self.iters.add(it)
+        if not any(f["id"] == id(loader) for f in self.facts["loaders"]):
+            self.facts["loaders"].append(
+                {
+                    "id": id(loader),
+                    "num_workers": int(getattr(loader, "num_workers", 0)),
+                    "persistent_workers": bool(getattr(loader, "persistent_workers", False)),
+                    "pin_memory": bool(getattr(loader, "pin_memory", False)),
+                    "batches": _len(loader),
+                    "map_style": not isinstance(
+                        getattr(loader, "dataset", None), self.torch.utils.data.IterableDataset
+                    ),
+                    "cross_epoch_trial": "cross-epoch-loader" in self.trials,
+                }
+            )
+        return it
+
+    def add_data(self, seconds: float, epoch_start: bool) -> None:
+        self.cur["data"] += seconds
+        if epoch_start:
+            self.cur["data_epoch_start"] += seconds
+        self.sample_stream()
+
+    # -- forward ------------------------------------------------------------------------------
+
+    def fwd_pre(self, module: Any, args: Any) -> None:
+        if self.fwd_depth == 0:
+            self.fwd_t0 = time.perf_counter()
+            _Phase.name = "forward"
+            if self.global_hooks:
+                self.roots.setdefault(id(module), module)
+            elif "autocast" not in self.facts:
+                self.facts["autocast"] = _autocast(self.torch)
+        self.fwd_depth += 1
+
+    def fwd_post(self, module: Any, args: Any, out: Any) -> None:
+        self.fwd_depth = max(0, self.fwd_depth - 1)
+        if self.fwd_depth == 0:
+            self.cur["forward"] += time.perf_counter() - self.fwd_t0
+            _Phase.name = "other"
+            self.sample_stream()
+
+    def roots_only(self) -> None:
+        """After warm-up: hooks on the top-level modules only, not on every module call."""
+        for h in self.global_hooks:
+            h.remove()
+        self.global_hooks = []
+        for m in self.roots.values():
+            self.undo.append(m.register_forward_pre_hook(self.fwd_pre).remove)
+            self.undo.append(m.register_forward_hook(self.fwd_post).remove)
+        self.facts["forward_roots"] = sorted({type(m).__name__ for m in self.roots.values()})
+
+    # -- backward and comm --------------------------------------------------------------------
+
+    def backward(self, run: Any) -> Any:
+        t0 = time.perf_counter()
+        self.buckets.clear()
+        self.last_hook_end = self.last_future = self.comm_hook = 0.0
+        _Phase.name = "backward"
+        try:
+            return run()
+        finally:
+            end = time.perf_counter()
+            _Phase.name = "other"
+            self.cur["backward"] += end - t0
+            if self.buckets:
+                tail = max(0.0, min(end, self.last_future) - self.last_hook_end)
+                self.cur["comm"] += self.comm_hook + tail
+                self.facts["buckets"] = len(self.buckets)
+                self.facts["grad_bytes"] = sum(self.buckets.values())
+            self.sample_stream()
+
+    def timed_hook(self, hook: Any) -> Any:
+        probe = self
+
+        # No annotations: DDP accepts a hook whose bucket is unannotated or a GradBucket.
+        def advise_timed_hook(state, bucket):
+            t0 = time.perf_counter()
+            fut = hook(state, bucket)
+            t1 = time.perf_counter()
+            buf = bucket.buffer()
+            probe.buckets[bucket.index()] = buf.numel() * buf.element_size()
+            probe.comm_hook += t1 - t0
+            probe.last_hook_end = t1
+
+            def done(f: Any) -> Any:
+                probe.last_future = max(probe.last_future, time.perf_counter())
+                return f.value()
+
+            return fut.then(done)
+
+        advise_timed_hook.__name__ = getattr(hook, "__name__", "hook")
+        return advise_timed_hook
+
+    # -- optimizer ----------------------------------------------------------------------------
+
+    def opt_pre(self, opt: Any, args: Any, kwargs: Any) -> None:
+        if self.primary is None:
+            self.primary = id(opt)
+            self.facts["optimizer"] = _optimizer_facts(opt)
+            self.cuda = self.facts["optimizer"]["device"] == "cuda"
+        if id(opt) == self.primary:
+            self.opt_t0 = time.perf_counter()
+        _Phase.name = "optimizer"
+
+    def opt_post(self, opt: Any, args: Any, kwargs: Any) -> None:
+        _Phase.name = "other"
+        if id(opt) != self.primary or self.opt_t0 is None:
+            return
+        now = time.perf_counter()
+        self.cur["optimizer"] += now - self.opt_t0
+        self.opt_t0 = None
+        self.sample_stream()
+        self.end_step(now)
+
+    def end_step(self, now: float) -> None:
+        rec = self.cur
+        rec["step"] = now - self.mark
+        self.mark = now
+        self.cur = self._blank()
+        self.step += 1
+        if self.step == 1:
+            self.roots_only()
+        if self.step > self.warmup:
+            self.records.append(rec)
+        if self.counter is not None:
+            self.counter.__exit__(None, None, None)
+            self.counter = None
+        if self.step == self.warmup - 1:  # count the ops of the last warm-up step
+            self.ops = dict.fromkeys(self.ops, 0)
+            self.work = {k: [0, 0] for k in self.ops}
+            self.counter = _counter(self)
+            self.counter.__enter__()
+        if self.step == self.warmup:
+            self.measure_start = now
+            self.samples = [0, 0]
+        if self.measuring():
+            self.check_stop(now)
+
+    def check_stop(self, now: float) -> None:
+        done = self.step - self.warmup
+        if self.stop_at is None:
+            if done >= self.steps:
+                self.stop_at = self.step
+            elif self.seconds and self.rank == 0 and now - self.measure_start >= self.seconds:
+                # Ranks agree on the last step through a file: rank 0 names a step two ahead,
+                # which no other rank can have finished (DDP keeps the ranks within one step).
+                self.stop_at = self.step + 2
+                _write(os.path.join(self.out_dir, "stop"), str(self.stop_at))
+            if self.stop_at is None and self.seconds and self.rank != 0:
+                path = os.path.join(self.out_dir, "stop")
+                if os.path.exists(path):
+                    with open(path) as f:
+                        self.stop_at = int(f.read())
+        if self.stop_at is not None and self.step >= self.stop_at:
+            self.finish(complete=True)
+
+    # -- the end ------------------------------------------------------------------------------
+
+    def report(self, complete: bool) -> dict[str, Any]:
+        device = self.facts.get("optimizer", {}).get("device", "cpu")
+        cost = _advise_work.op_cost(self.torch, device)
+        for f in self.facts["loaders"]:
+            f.pop("id", None)
+        dist = self.torch.distributed
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        return {
+            "rank": self.rank,
+            "world": int(os.environ.get("WORLD_SIZE", world)),
+            "local_world": int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+            "backend": dist.get_backend() if world > 1 or dist.is_initialized() else None,
+            "cuda": self.cuda,
+            "complete": complete,
+            "warmup": self.warmup,
+            "steps_seen": self.step,
+            "records": self.records,
+            "ops": self.ops,
+            "op_cost_s": cost,
+            "work": self.work,
+            "rates": _advise_work.rates(self.torch),
+            "stream_samples": self.samples[0],
+            "stream_empty": self.samples[1],
+            "facts": self.facts,
+            "trials": sorted(self.trials),
+        }
+
+    def finish(self, complete: bool) -> None:
+        if self.written:
+            return
+        self.written = True
+        if self.counter is not None:
+            self.counter.__exit__(None, None, None)
+            self.counter = None
+        dist = self.torch.distributed
+        distributed = dist.is_available() and dist.is_initialized()
+        # every rank is here (they end at the same step): the link can be timed together
+        if complete and distributed and dist.get_world_size() > 1:
+            device = "cuda" if self.cuda else "cpu"
+            nbytes = max(2**20, int(self.facts.get("grad_bytes", 0)))
+            self.facts["link"] = _advise_work.link(self.torch, nbytes, device)
+        path = os.path.join(self.out_dir, f"rank{self.rank}.json")
+        _write(path, json.dumps(self.report(complete)))
+        if not complete:
+            return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.stop_workers()
+        self.exit(0)  # the measured steps are done; the rest of the script is not needed
+
+    def stop_workers(self) -> None:
+        for it in list(self.iters):
+            stop = getattr(it.inner, "_shutdown_workers", None)
+            if stop is not None:
+                stop()
+        for cel in self.cross_epoch:
+            cel.close()
+
+
+class _TimedIter:
+    """A data-loader iterator with its ``next()`` timed; anything else goes to the inner one."""
+
+    def __init__(self, probe: _Probe, inner: Any, start: float) -> None:
+        self.probe = probe
+        self.inner = inner
+        self.pending = start  # iter()'s own time joins the first batch's wait
+        self.first = True
+
+    def __iter__(self) -> _TimedIter:
+        return self
+
+    def __next__(self) -> Any:
+        t0 = time.perf_counter()
+        _Phase.name = "data"
+        try:
+            return next(self.inner)
+        finally:
+            _Phase.name = "other"
+            self.probe.add_data(time.perf_counter() - t0 + self.pending, self.first)
+            self.pending, self.first = 0.0, False
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def _len(obj: Any) -> int | None:
+    try:
+        return len(obj)
+    except TypeError:
+        return None
+
+
+def _write(path: str, text: str) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _autocast(torch: Any) -> str | None:
+    """The autocast the forward runs under: ``"cuda:float16"``, ``"cpu:bfloat16"``, or None."""
+    for device in ("cuda", "cpu"):
+        if torch.is_autocast_enabled(device):
+            return f"{device}:{str(torch.get_autocast_dtype(device)).replace('torch.', '')}"
+    return None
+
+
+def _optimizer_facts(opt: Any) -> dict[str, Any]:
+    params = [p for g in opt.param_groups for p in g["params"]]
+    return {
+        "aiak_o2": getattr(opt, "_aiak_amp", None) is not None,
+        "type": type(opt).__name__,
+        "module": type(opt).__module__,
+        "groups": len(opt.param_groups),
+        "tensors": len(params),
+        "parameters": int(sum(p.numel() for p in params)),
+        "dtypes": sorted({str(p.dtype).replace("torch.", "") for p in params}),
+        "foreach": opt.defaults.get("foreach"),
+        "fused": opt.defaults.get("fused"),
+        "shapes": [list(p.shape) for p in params][:4096],
+        "device": str(params[0].device.type) if params else "cpu",
+    }
+
+
+def _counter(probe: _Probe) -> Any:
+    def count(func: Any, args: Any, out: Any) -> None:
+        phase = _Phase.name
+        probe.ops[phase] = probe.ops.get(phase, 0) + 1
+        elems, macs = _advise_work.work(func, args, out)
+        probe.work[phase] = [probe.work[phase][0] + elems, probe.work[phase][1] + macs]
+
+    return _advise_work.counting(count)
+
+
+def install(out_dir: str) -> _Probe:
+    """Put the probe's hooks on torch (called once torch is imported and aiak activated)."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.modules import module as nn_module
+    from torch.optim import optimizer as torch_optimizer
+    from torch.utils.data import DataLoader
+
+    probe = _Probe(out_dir)
+    _write(os.path.join(out_dir, f"pid{probe.rank}"), str(os.getpid()))
+    # Processes this rank starts (spawned data-loader workers) inherit the environment: the
+    # owner's pid keeps them from installing a probe that would write this rank's report.
+    os.environ[_ENV_OWNER] = str(os.getpid())
+
+    loader_iter = DataLoader.__iter__
+
+    def __iter__(self: Any) -> Any:
+        if "cross-epoch-loader" in probe.trials and self.num_workers >= 1:
+            cel = getattr(self, "_aiak_advise_cel", None)
+            if cel is None and not isinstance(self.dataset, torch.utils.data.IterableDataset):
+                from aiak.data import CrossEpochLoader
+
+                cel = CrossEpochLoader(self)
+                self._aiak_advise_cel = cel
+                probe.cross_epoch.append(cel)
+            if cel is not None:
+                return probe.timed_iter(self, lambda: iter(cel))
+        return probe.timed_iter(self, lambda: loader_iter(self))
+
+    DataLoader.__iter__ = __iter__
+    probe.undo.append(lambda: setattr(DataLoader, "__iter__", loader_iter))
+
+    probe.global_hooks = [
+        nn_module.register_module_forward_pre_hook(probe.fwd_pre),
+        nn_module.register_module_forward_hook(probe.fwd_post),
+    ]
+    probe.undo.append(lambda: [h.remove() for h in probe.global_hooks])
+    probe.undo.append(torch_optimizer.register_optimizer_step_pre_hook(probe.opt_pre).remove)
+    probe.undo.append(torch_optimizer.register_optimizer_step_post_hook(probe.opt_post).remove)
+
+    autograd_backward = torch.autograd.backward
+
+    def backward(*args: Any, **kwargs: Any) -> Any:
+        return probe.backward(lambda: autograd_backward(*args, **kwargs))
+
+    torch.autograd.backward = backward
+    probe.undo.append(lambda: setattr(torch.autograd, "backward", autograd_backward))
+
+    if dist.is_available():
+        _install_ddp(probe, torch)
+    atexit.register(probe.finish, False)
+    probe.undo.append(lambda: atexit.unregister(probe.finish))
+    return probe
+
+
+def uninstall(probe: _Probe) -> None:
+    """Remove every hook and patch :func:`install` made (tests; a worker just exits)."""
+    if probe.counter is not None:
+        probe.counter.__exit__(None, None, None)
+        probe.counter = None
+    while probe.undo:
+        probe.undo.pop()()
+
+
+def _install_ddp(probe: _Probe, torch: Any) -> None:
+    ddp_cls = torch.nn.parallel.DistributedDataParallel
+    register = ddp_cls.register_comm_hook
+    init = ddp_cls.__init__
+
+    def register_comm_hook(self: Any, state: Any, hook: Any) -> Any:
+        self._aiak_advise_hooked = True
+        return register(self, state, probe.timed_hook(hook))
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        probe.facts["ddp"].append(
+            {"bucket_cap_bytes": int(getattr(self, "bucket_bytes_cap", 0) or 0)}
+        )
+        if getattr(self, "_aiak_advise_hooked", False):
+            return
+
+        def first_forward(module: Any, args: Any) -> None:
+            handle.remove()
+            if not getattr(module, "_aiak_advise_hooked", False):
+                from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+                module.register_comm_hook(module.process_group, default_hooks.allreduce_hook)
+
+        handle = self.register_forward_pre_hook(first_forward)
+
+    ddp_cls.register_comm_hook = register_comm_hook
+    ddp_cls.__init__ = __init__
+
+    def restore() -> None:
+        ddp_cls.register_comm_hook = register
+        ddp_cls.__init__ = init
+
+    probe.undo.append(restore)
+
+
+class _AfterTorch:
+    """One-shot finder: let the other finders (aiak's activation among them) load torch,
+    then install the probe."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != "torch":
+            return None
+        sys.meta_path.remove(self)
+        spec = None
+        for finder in list(sys.meta_path):
+            find = getattr(finder, "find_spec", None)
+            if find is not None:
+                spec = find(name, path, target)
+                if spec is not None:
+                    break
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            run(module)
+            install(os.environ[_ENV_DIR])
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def boot() -> None:
+    """Install now if torch is loaded, else when it is; only in a launched worker
+    (``LOCAL_RANK`` set by torch's launcher) with ``AIAK_ADVISE_DIR``: the launchers, which
+    import torch too, stay unmeasured."""
+    if not os.environ.get(_ENV_DIR) or "LOCAL_RANK" not in os.environ:
+        return
+    if os.environ.get(_ENV_OWNER, str(os.getpid())) != str(os.getpid()):
+        return  # a child of a measured rank
+    if "torch" in sys.modules:
+        install(os.environ[_ENV_DIR])
+    else:
+        sys.meta_path.insert(0, _AfterTorch())
