@@ -231,6 +231,12 @@ def _parser(prog: str = "aiakrun") -> argparse.ArgumentParser:
         "--rdzv-timeout", type=_int_at_least(1), default=300, help="seconds to wait for hosts"
     )
     p.add_argument("--dry-run", action="store_true", help="print the commands only")
+    p.add_argument(
+        "--advise",
+        action="store_true",
+        help="measure the command's steps and say which aiak features to switch on "
+        "(the same as aiak-advise; see aiak-advise --help for its own options)",
+    )
     t = p.add_argument_group("torchrun's options (passed to torch's elastic launcher)")
     t.add_argument("--nproc-per-node", "--nproc_per_node", type=_nproc, help="processes per node")
     t.add_argument("--nnodes", type=_nnodes, help="N or MIN:MAX nodes (one launch per node)")
@@ -562,6 +568,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "aiakrun") -> int:
     from aiak.launch import _boot
 
     _boot._remove_finder()
+    head = argv[: argv.index("--")] if "--" in argv else argv
+    if "--advise" in head:  # the same job, measured by aiak-advise (which starts aiakrun)
+        from aiak.launch import advise
+
+        argv.remove("--advise")
+        return advise.main(argv)
     parser = _parser(prog)
     try:
         args = _parse(parser, argv)

@@ -159,3 +159,12 @@ def test_verify_refuses_flags_that_conflict_with_the_runs_own(monkeypatch):
     advice = [_advice("fp16 gradient compression", 0.05, flags=("--fp16-compression",))]
     result, after = advise._verify(ns, ["--dgc"], ["python", "t.py"], before, advice)
     assert after is None and "cannot be combined" in result["skipped"]
+
+
+def test_aiakrun_advise_hands_the_job_to_aiak_advise(capsys):
+    from aiak.launch import run as aiakrun
+
+    assert aiakrun.main(["--advise", "--steps", "0", "--", "python", "x.py"]) == 2
+    assert "aiak-advise: error: --steps must be >= 1" in capsys.readouterr().err
+    # after '--' the flag belongs to the user's command: aiakrun parses it as usual
+    assert aiakrun.main(["--dry-run", "-np", "1", "--", "python", "x.py", "--advise"]) == 0
