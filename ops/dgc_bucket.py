@@ -1,0 +1,268 @@
+"""DGC's sparsification of one bucket's many tensors in a fixed number of torch launches.
+
+A DDP bucket is one flat buffer holding many gradients. :class:`BucketPlan` is built once per
+bucket layout and compress ratio: it holds each compressed segment's sampling plan and the
+device tables (segment keys and lengths, sample positions, output offsets) that let
+:meth:`BucketPlan.select` run every segment's sample, threshold, adaptation and compaction as
+torch ops over the whole bucket: no Python loop over tensors, no host synchronisation, and a
+launch count that depends on ``iters`` but not on the number of tensors.
+
+The rules are those of DGC's reference code (docs/dgc.md, "Sampling and threshold"):
+
+* the sample ratio is floored at 0.01; a segment of ``n <= ceil(2 / ratio)`` elements, or any
+  segment when the sample ratio is 1, is sampled whole; otherwise the stride is odd,
+  ``ceil(n / want / 32) * 32 + 1`` lowered by 8 until ``n // stride >= want`` samples, with
+  ``want = max(ceil(n * sample_ratio), ceil(2 / ratio))``;
+* ``k = ceil(n * ratio)`` selected, ``k_s = ceil(num_samples * ratio)``: the first threshold is
+  the ``k_s``-th largest sampled importance ``|x|``;
+* a segment sampled whole is not adapted; otherwise the adaptation loop multiplies the fp32
+  threshold by ``upper`` or ``lower`` (fp32, rounded at every step) and, with ``resample``, takes
+  the exact top-k when the count passes ``upper * k``;
+* the first ``k`` indices (ascending) at or above the final threshold are kept; the exact top-k
+  breaks ties to the lowest index. Fewer than ``k``: padded with index ``-1``.
+
+Importances are compared as the int32 bit patterns of ``|x|`` (exact, NaN above +inf). Each
+element's key is ``segment << 32 | bits``; a table of every segment's thresholds followed by a
+sentinel, sorted, turns one ``searchsorted`` into each element's segment and level
+(``pos // (J + 1)``, ``pos % (J + 1)``), and one ``index_add_`` of ones into every segment's
+counts at all ``J`` thresholds at once. With ``resample`` the loop's thresholds form one chain
+(only ``lower`` steps before a stop), so one counting pass decides the loop; the exact top-k is
+a radix select in three such passes (11, 10 and 10 bits). Without ``resample`` the path (and
+its rounding) depends on the counts: one counting pass per adaptation step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["BucketPlan", "sample_plan"]
+
+_NONE = 1 << 31  # a threshold no importance reaches (|x| bits are < 2^31)
+_SENTINEL = (1 << 32) - 1  # above every threshold and importance of its segment
+_RADIX = ((20, 11), (10, 10), (0, 10))  # (shift, width) of the exact top-k's three passes
+
+
+def sample_plan(n: int, ratio: float, sample_ratio: float) -> tuple[int, int, int, int]:
+    """``(k, num_samples, k_s, stride)`` of a tensor of ``n`` elements (the module's rules)."""
+    sr = min(max(sample_ratio, 0.01), 1.0)
+    k = min(n, max(1, math.ceil(n * ratio)))
+    stride, m = 1, n
+    if sr < 1.0 and n > math.ceil(2 / ratio):
+        want = max(math.ceil(n * sr), math.ceil(2 / ratio))
+        stride = math.ceil(n / want / 32) * 32 + 1
+        m = n // stride
+        while m < want:
+            stride -= 8
+            m = n // stride
+    ks = min(m, max(1, math.ceil(m * ratio)))
+    return k, m, ks, stride
+
+
+class BucketPlan:
+    """Tables of one bucket layout: ``segments`` are ``(offset, numel)`` of the compressed
+    tensors, ascending and disjoint, inside a buffer of ``length`` elements."""
+
+    def __init__(
+        self,
+        segments: Sequence[tuple[int, int]],
+        length: int,
+        ratio: float,
+        sample_ratio: float,
+        strided: bool,
+        device: torch.device,
+    ) -> None:
+        # the whole buffer as segments: the compressed ones, and fillers (never selected)
+        # for what lies between them, so every element has a segment
+        bounds: list[tuple[int, int, bool]] = []
+        at = 0
+        for off, n in segments:
+            if off < at or n < 1 or off + n > length:
+                raise ValueError(f"BucketPlan: segment ({off}, {n}) overlaps or leaves the buffer")
+            if off > at:
+                bounds.append((at, off - at, False))
+            bounds.append((off, n, True))
+            at = off + n
+        if at < length:
+            bounds.append((at, length - at, False))
+        self.length = length
+        self.nseg = len(bounds)
+        sparse = [i for i, b in enumerate(bounds) if b[2]]
+        plans = [sample_plan(bounds[i][1], ratio, sample_ratio) for i in sparse]
+        self.k = [p[0] for p in plans]
+        self.total = sum(self.k)  # values (and indices) this bucket sends
+        self.strided = strided
+        self.strides = [p[3] for p in plans]
+        self.nsamples = [p[1] for p in plans]
+        base, seg, rand_n, picks = [], [], [], []
+        for j, (i, (k, m, ks, stride)) in enumerate(zip(sparse, plans)):
+            off, n, _ = bounds[i]
+            whole = m == n
+            if strided or whole:
+                base.extend(range(off, off + m * stride, stride))
+                rand_n.extend([0] * m)
+            else:  # uniform samples: off + floor(u * n)
+                base.extend([off] * m)
+                rand_n.extend([n] * m)
+            seg.extend([j] * m)
+            picks.append(len(base) - ks)  # the k_s-th largest in the sorted samples
+        whole_seg = [p[1] == bounds[i][1] for i, p in zip(sparse, plans)]
+
+        def dev(values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(device)
+
+        self.seg_len = dev([b[1] for b in bounds])
+        self.seg_key = dev([i << 32 for i in range(self.nseg)])
+        self.seg_start = dev([b[0] for b in bounds])
+        self.sparse = dev(sparse)
+        self.sample_base = dev(base)
+        self.sample_seg = dev(seg)
+        self.sample_seg_key = self.sample_seg << 32
+        self.sample_rand_n = dev(rand_n, torch.float64)
+        self.picks = dev(picks)
+        self.kf = dev(self.k, torch.float64)
+        self.kk = dev(self.k)
+        self.adapt = dev([not w for w in whole_seg], torch.bool)
+        out_base = [0] * self.nseg
+        acc = 0
+        for i, k in zip(sparse, self.k):
+            out_base[i] = acc
+            acc += k
+        self.out_base = dev(out_base)
+        self.device = device
+
+    # -- counting -----------------------------------------------------------------------------
+    def _levels(self, keys: torch.Tensor, thr: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Each element's position in the sorted table of ``thr`` ([nseg, J] bits) + sentinels:
+        segment ``pos // (J + 1)``, thresholds at or below it ``pos % (J + 1)``."""
+        j = thr.shape[1]
+        sent = torch.full((self.nseg, 1), _SENTINEL, dtype=torch.int64, device=self.device)
+        table = torch.cat([thr, sent], 1).add_(self.seg_key[:, None]).reshape(-1)
+        return torch.searchsorted(table, keys, right=True), j
+
+    def _counts(self, keys: torch.Tensor, thr: torch.Tensor) -> torch.Tensor:
+        """[nseg, J]: elements of each segment at or above each of its ``J`` thresholds."""
+        sthr, order = thr.sort(dim=1)
+        pos, j = self._levels(keys, sthr)
+        ones = torch.ones(1, dtype=torch.int64, device=self.device).expand(pos.numel())
+        hist = torch.zeros(self.nseg * (j + 1), dtype=torch.int64, device=self.device)
+        hist.index_add_(0, pos, ones)
+        suffix = hist.view(self.nseg, j + 1).flip(1).cumsum(1).flip(1)[:, 1:]
+        return torch.empty_like(suffix).scatter_(1, order, suffix)
+
+    def _full(self, sparse_thr: torch.Tensor) -> torch.Tensor:
+        """[S, J] thresholds of the compressed segments -> [nseg, J], fillers unreachable."""
+        out = torch.full(
+            (self.nseg, sparse_thr.shape[1]), _NONE, dtype=torch.int64, device=self.device
+        )
+        return out.index_copy_(0, self.sparse, sparse_thr)
+
+    # -- one step -----------------------------------------------------------------------------
+    def sample_uniforms(self, gen: torch.Generator) -> torch.Tensor:
+        """The step's random draws (CPU ``gen``), on the device: one per segment (its stride's
+        start) when strided, else one per sample."""
+        n = len(self.strides) if self.strided else self.sample_base.numel()
+        u = torch.rand(n, generator=gen, dtype=torch.float64)
+        return u.to(self.device, non_blocking=True)
+
+    def select(
+        self,
+        x: torch.Tensor,
+        u: torch.Tensor,
+        upper: float,
+        lower: float,
+        iters: int,
+        resample: bool,
+    ) -> torch.Tensor:
+        """Indices (into the buffer ``x``, fp32, ``length`` elements) of every segment's
+        selection, ``self.total`` of them, segment after segment, ascending, padded with -1.
+        ``u``: :meth:`sample_uniforms`."""
+        dev = self.device
+        bits = x.abs().view(torch.int32).long()
+        keys = bits + torch.repeat_interleave(self.seg_key, self.seg_len, output_size=self.length)
+        # first threshold: the k_s-th largest sample of each segment (one sort of all samples)
+        if self.strided:
+            starts = (u * torch.tensor(self.strides, dtype=torch.float64).to(dev)).long()
+            pos = self.sample_base + starts[self.sample_seg]
+        else:
+            pos = self.sample_base + (u * self.sample_rand_n).long()
+        skeys = (bits[pos] + self.sample_seg_key).sort().values
+        thr0 = skeys[self.picks].bitwise_and_(0xFFFFFFFF)
+        up = torch.tensor(upper, dtype=torch.float32, device=dev)
+        low = torch.tensor(lower, dtype=torch.float32, device=dev)
+        k, upk, lowk = self.kk, self.kf * upper, self.kf * lower
+
+        def f32(b: torch.Tensor) -> torch.Tensor:
+            return b.int().view(torch.float32)
+
+        def b64(f: torch.Tensor) -> torch.Tensor:
+            return f.view(torch.int32).long()
+
+        exact = None
+        if resample or iters == 0:
+            chain = [f32(thr0)]
+            for _ in range(iters):
+                chain.append(chain[-1] * low)
+            thr_all = b64(torch.stack(chain, 1))  # [S, iters + 1]
+            c = self._counts(keys, self._full(thr_all))[self.sparse].double()
+            # the loop walks down the chain while the count is below lower * k: it stops at
+            # the first step whose count is not (or runs out at ``iters``)
+            stop = c[:, :iters] >= lowk[:, None]
+            found = stop.any(1)
+            first = stop.byte().argmax(1) if iters else torch.zeros_like(k)
+            b = torch.where(found & self.adapt, first, torch.where(self.adapt, iters, 0))
+            thr = thr_all.gather(1, b[:, None])[:, 0]
+            cb = c.gather(1, b[:, None])[:, 0]
+            if resample and iters > 0:
+                exact = self.adapt & found & (cb > upk)
+        else:
+            t = f32(thr0)
+            active = self.adapt.clone()
+            for _ in range(iters):
+                c = self._counts(keys, self._full(b64(t)[:, None]))[self.sparse, 0].double()
+                hi, lo = c > upk, c < lowk
+                active &= hi | lo
+                t = torch.where(active & hi, t * up, torch.where(active & lo, t * low, t))
+            thr = b64(t)
+        # the band [b, a) is taken in index order up to `room`; everything >= a is taken
+        a = torch.full_like(thr, _NONE)
+        room = k
+        if exact is not None:
+            kth, above = self._kth_largest(keys, k)
+            thr = torch.where(exact, kth, thr)
+            a = torch.where(exact, kth + 1, a)
+            room = torch.where(exact, k - above, k)
+        pos, _ = self._levels(keys, self._full(torch.stack([thr, a], 1)))
+        seg, lvl = pos // 3, pos % 3
+        band = lvl == 1
+        room_all = torch.zeros(self.nseg, dtype=torch.int64, device=dev)
+        room_all.index_copy_(0, self.sparse, room)
+        keep = (lvl == 2) | (band & (self._rank(band, seg) <= room_all[seg]))
+        slot = self.out_base[seg] + self._rank(keep, seg) - 1
+        slot = torch.where(keep, slot, self.total)
+        out = torch.full((self.total + 1,), -1, dtype=torch.int64, device=dev)
+        out.scatter_(0, slot, torch.arange(self.length, device=dev))
+        return out[: self.total]
+
+    def _rank(self, mask: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
+        """1-based rank of each element among the ``mask`` elements of its segment."""
+        cs = torch.cumsum(mask, 0)
+        before = torch.cat([cs.new_zeros(1), cs])[self.seg_start]
+        return cs - before[seg]
+
+    def _kth_largest(
+        self, keys: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per compressed segment: the bits of its k-th largest importance and how many
+        importances lie above it (a radix select, one counting pass per digit)."""
+        prefix = torch.zeros_like(k)
+        above = k
+        for shift, width in _RADIX:
+            steps = torch.arange(0, (1 << width) + 1, device=self.device) << shift
+            c = self._counts(keys, self._full(prefix[:, None] + steps))[self.sparse]
+            j = (c[:, : 1 << width] >= k[:, None]).sum(1) - 1
+            prefix = prefix + (j << shift)
+            above = c.gather(1, (j + 1)[:, None])[:, 0]
+        return prefix, above
