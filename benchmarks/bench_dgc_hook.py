@@ -66,7 +66,7 @@ def per_tensor_hook(ratio: float):
 
     mem: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def hook(_state, bucket) -> torch.futures.Future:
+    def hook(_state, bucket) -> torch.futures.Future[torch.Tensor]:
         buf = bucket.buffer()
         base, length, world = buf.storage_offset(), buf.numel(), dist.get_world_size()
         dense, vals, idxs = [], [], []
@@ -75,7 +75,7 @@ def per_tensor_hook(ratio: float):
             n, off = g.numel(), g.storage_offset() - base
             flat = buf[off : off + n]
             mmt, vec = mem.setdefault(
-                (bucket.index(), i),
+                (bucket.index(), off, n),
                 (torch.zeros(n + 1, device=buf.device), torch.zeros(n + 1, device=buf.device)),
             )
             mmt[:n].mul_(0.9).add_(flat)
@@ -95,16 +95,16 @@ def per_tensor_hook(ratio: float):
             idxs.append(torch.where(idx < 0, length, idx + off))
         dbuf = torch.cat([t for _, t in dense])
         dist.all_reduce(dbuf)
-        payload = torch.cat([torch.cat(vals).view(torch.uint8), torch.cat(idxs).view(torch.uint8)])
+        payload = torch.cat([torch.cat(idxs).view(torch.uint8), torch.cat(vals).view(torch.uint8)])
         out = torch.empty(world * payload.numel(), dtype=torch.uint8, device=buf.device)
         dist.all_gather_into_tensor(out, payload)
-        nvb = sum(v.numel() for v in vals) * 4
+        nib = sum(v.numel() for v in vals) * 8
         rows = out.view(world, -1)
         acc = torch.zeros(length + 1, device=buf.device)
         acc.index_add_(
             0,
-            rows[:, nvb:].contiguous().view(torch.int64).reshape(-1),
-            rows[:, :nvb].contiguous().view(torch.float32).reshape(-1),
+            rows[:, :nib].reshape(-1).view(torch.int64),
+            rows[:, nib:].reshape(-1).view(torch.float32),
         )
         buf.copy_(acc[:length].div_(world))
         o = 0
@@ -115,6 +115,8 @@ def per_tensor_hook(ratio: float):
         fut.set_result(buf)
         return fut
 
+    # DDP checks the return annotation as an object (this module's annotations are strings)
+    hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
     return hook
 
 

@@ -146,8 +146,10 @@ class _DGC(CommHook):
                 raise ValueError("dgc: int32_indices with a bucket of 2^31 elements or more")
             vcat = vals.to(vdtype)
             icat = idx.to(idtype)
-            nvb = vcat.numel() * vcat.element_size()
-            payload = torch.cat([vcat.view(torch.uint8), icat.view(torch.uint8)])
+            # indices first: both views then start at a multiple of their element size, also
+            # where one rank's row needs no copy (world 1)
+            nib = icat.numel() * icat.element_size()
+            payload = torch.cat([icat.view(torch.uint8), vcat.view(torch.uint8)])
             gathered = torch.empty(world * payload.numel(), dtype=torch.uint8, device=buf.device)
             futs.append(
                 _futures.real(_collectives.all_gather(gathered, payload, link, state.traffic))
@@ -159,8 +161,8 @@ class _DGC(CommHook):
             if sparse:
                 _streams.keep(gathered)
                 rows = gathered.view(world, -1)
-                v_all = rows[:, :nvb].contiguous().view(vdtype).reshape(-1)
-                i_all = rows[:, nvb:].contiguous().view(idtype).reshape(-1).long()
+                i_all = rows[:, :nib].reshape(-1).view(idtype).long()
+                v_all = rows[:, nib:].reshape(-1).view(vdtype)
                 acc = torch.zeros(length + 1, dtype=torch.float32, device=buf.device)
                 acc.index_add_(0, i_all, v_all.float())
                 buf.copy_(acc[:length].div_(world))

@@ -122,6 +122,7 @@ class BucketPlan:
         self.sample_seg_key = self.sample_seg << 32
         self.sample_rand_n = dev(rand_n, torch.float64)
         self.picks = dev(picks)
+        self.stride_f = dev(self.strides, torch.float64)
         self.kf = dev(self.k, torch.float64)
         self.kk = dev(self.k)
         self.adapt = dev([not w for w in whole_seg], torch.bool)
@@ -165,6 +166,8 @@ class BucketPlan:
         start) when strided, else one per sample."""
         n = len(self.strides) if self.strided else self.sample_base.numel()
         u = torch.rand(n, generator=gen, dtype=torch.float64)
+        if self.device.type == "cuda":  # pinned (cached by torch): the copy does not block
+            u = u.pin_memory()
         return u.to(self.device, non_blocking=True)
 
     def select(
@@ -184,14 +187,15 @@ class BucketPlan:
         keys = bits + torch.repeat_interleave(self.seg_key, self.seg_len, output_size=self.length)
         # first threshold: the k_s-th largest sample of each segment (one sort of all samples)
         if self.strided:
-            starts = (u * torch.tensor(self.strides, dtype=torch.float64).to(dev)).long()
+            starts = (u * self.stride_f).long()
             pos = self.sample_base + starts[self.sample_seg]
         else:
             pos = self.sample_base + (u * self.sample_rand_n).long()
         skeys = (bits[pos] + self.sample_seg_key).sort().values
         thr0 = skeys[self.picks].bitwise_and_(0xFFFFFFFF)
-        up = torch.tensor(upper, dtype=torch.float32, device=dev)
-        low = torch.tensor(lower, dtype=torch.float32, device=dev)
+        # fp32 factors: the threshold is an fp32 number scaled in fp32, as in DGC's code
+        up = torch.full((), upper, dtype=torch.float32, device=dev)
+        low = torch.full((), lower, dtype=torch.float32, device=dev)
         k, upk, lowk = self.kk, self.kf * upper, self.kf * lower
 
         def f32(b: torch.Tensor) -> torch.Tensor:
