@@ -71,7 +71,7 @@ def per_tensor_hook(ratio: float):
         base, length, world = buf.storage_offset(), buf.numel(), dist.get_world_size()
         dense, vals, idxs = [], [], []
         gen = torch.Generator().manual_seed(bucket.index())
-        for i, g in enumerate(bucket.gradients()):
+        for g in bucket.gradients():
             n, off = g.numel(), g.storage_offset() - base
             flat = buf[off : off + n]
             mmt, vec = mem.setdefault(
@@ -118,6 +118,9 @@ def per_tensor_hook(ratio: float):
     # DDP checks the return annotation as an object (this module's annotations are strings)
     hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
     return hook
+
+
+_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
 
 
 class _Count(TorchDispatchMode):
@@ -170,11 +173,7 @@ def measure(name: str, args, device: torch.device, shapes, weights) -> dict:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             step()
             sync()
-        launches = sum(
-            e.count
-            for e in prof.key_averages()
-            if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
-        )
+        launches = sum(e.count for e in prof.key_averages() if e.key in _LAUNCHES)
     return {
         "mode": name,
         "host_ms": statistics.median(hosts) * 1e3,

@@ -20,7 +20,6 @@ fp32, and pickles with the state.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -36,6 +35,7 @@ __all__ = ["DGCSGD", "DGCState", "check_dgc_optimizer", "dgc", "link_dgc_optimiz
 
 class DGCState(HookState):
     __slots__ = (
+        "_mem",
         "awaits_optimizer",
         "clip_grad_func",
         "clip_grad_func_params",
@@ -48,7 +48,6 @@ class DGCState(HookState):
         "max_adaptation_iters",
         "mmt",
         "momentum",
-        "_mem",
         "momentum_masking",
         "nesterov",
         "resample",

@@ -97,7 +97,7 @@ class BucketPlan:
         self.strides = [p[3] for p in plans]
         self.nsamples = [p[1] for p in plans]
         base, seg, rand_n, picks = [], [], [], []
-        for j, (i, (k, m, ks, stride)) in enumerate(zip(sparse, plans)):
+        for j, (i, (_, m, ks, stride)) in enumerate(zip(sparse, plans)):
             off, n, _ = bounds[i]
             whole = m == n
             if strided or whole:
@@ -143,15 +143,16 @@ class BucketPlan:
         table = torch.cat([thr, sent], 1).add_(self.seg_key[:, None]).reshape(-1)
         return torch.searchsorted(table, keys, right=True), j
 
-    def _counts(self, keys: torch.Tensor, thr: torch.Tensor) -> torch.Tensor:
-        """[nseg, J]: elements of each segment at or above each of its ``J`` thresholds."""
-        sthr, order = thr.sort(dim=1)
+    def _counts(self, keys: torch.Tensor, thr: torch.Tensor, ordered: bool) -> torch.Tensor:
+        """[nseg, J]: elements of each segment at or above each of its ``J`` thresholds
+        (``ordered``: each row ascending already; else sorted here and counted back)."""
+        sthr, order = (thr, None) if ordered else thr.sort(dim=1)
         pos, j = self._levels(keys, sthr)
         ones = torch.ones(1, dtype=torch.int64, device=self.device).expand(pos.numel())
         hist = torch.zeros(self.nseg * (j + 1), dtype=torch.int64, device=self.device)
         hist.index_add_(0, pos, ones)
         suffix = hist.view(self.nseg, j + 1).flip(1).cumsum(1).flip(1)[:, 1:]
-        return torch.empty_like(suffix).scatter_(1, order, suffix)
+        return suffix if order is None else torch.empty_like(suffix).scatter_(1, order, suffix)
 
     def _full(self, sparse_thr: torch.Tensor) -> torch.Tensor:
         """[S, J] thresholds of the compressed segments -> [nseg, J], fillers unreachable."""
@@ -209,8 +210,10 @@ class BucketPlan:
             chain = [f32(thr0)]
             for _ in range(iters):
                 chain.append(chain[-1] * low)
+            chain.reverse()  # ascending (fp32 steps down never rise): the last one first
             thr_all = b64(torch.stack(chain, 1))  # [S, iters + 1]
-            c = self._counts(keys, self._full(thr_all))[self.sparse].double()
+            c = self._counts(keys, self._full(thr_all), True)[self.sparse].double().flip(1)
+            thr_all = thr_all.flip(1)
             # the loop walks down the chain while the count is below lower * k: it stops at
             # the first step whose count is not (or runs out at ``iters``)
             stop = c[:, :iters] >= lowk[:, None]
@@ -225,7 +228,7 @@ class BucketPlan:
             t = f32(thr0)
             active = self.adapt.clone()
             for _ in range(iters):
-                c = self._counts(keys, self._full(b64(t)[:, None]))[self.sparse, 0].double()
+                c = self._counts(keys, self._full(b64(t)[:, None]), True)[self.sparse, 0].double()
                 hi, lo = c > upk, c < lowk
                 active &= hi | lo
                 t = torch.where(active & hi, t * up, torch.where(active & lo, t * low, t))
@@ -265,7 +268,7 @@ class BucketPlan:
         above = k
         for shift, width in _RADIX:
             steps = torch.arange(0, (1 << width) + 1, device=self.device) << shift
-            c = self._counts(keys, self._full(prefix[:, None] + steps))[self.sparse]
+            c = self._counts(keys, self._full(prefix[:, None] + steps), True)[self.sparse]
             j = (c[:, : 1 << width] >= k[:, None]).sum(1) - 1
             prefix = prefix + (j << shift)
             above = c.gather(1, (j + 1)[:, None])[:, 0]

@@ -156,6 +156,7 @@ def _rounding_case() -> tuple[float, float, float]:
 
 def test_threshold_is_rounded_at_every_adaptation_step() -> None:
     t0, rep, single = _rounding_case()
+    assert rep < single  # rounded once, the second step's threshold would be higher
     n, ratio = 100_000, 0.01  # k = 1000; stride 97, 1030 samples, k_s = 11
     k, m, ks, stride = sample_plan(n, ratio, 0.01)
     assert (k, m, ks, stride) == (1000, 1030, 11, 97)
