@@ -24,7 +24,7 @@ per rank, SGD. Reported per model and mode: the median step time, the relative e
 step's averaged gradient against the exact no-hook average (and torch's fp16 hook's error, the
 bound for fp16 wires), the bytes the hook sent per step per stage (all ranks), and the bytes
 that left the nodes through the link. Appends to ``benchmarks/results/comm_nodes.csv`` and
-draws ``comm_nodes_<N>x<G>.png`` (skipped without matplotlib; ``--replot`` later).
+draws ``comm_nodes_<N>x<G>[_<rate>mbit].png`` (skipped without matplotlib; ``--replot`` later).
 """
 
 from __future__ import annotations
@@ -227,16 +227,17 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def _png(nodes: int, per_node: int) -> Path:
-    return RESULTS / f"comm_nodes_{nodes}x{per_node}.png"
+def _png(nodes: int, per_node: int, rate: int) -> Path:
+    link = f"_{rate}mbit" if rate else ""
+    return RESULTS / f"comm_nodes_{nodes}x{per_node}{link}.png"
 
 
-def latest_rows(nodes: int, per_node: int) -> list[dict]:
+def latest_rows(nodes: int, per_node: int, rate: int) -> list[dict]:
     with (RESULTS / "comm_nodes.csv").open(newline="") as f:
         rows = [
             r
             for r in csv.DictReader(f)
-            if (r["nodes"], r["per_node"]) == (str(nodes), str(per_node))
+            if (r["nodes"], r["per_node"], r["link_mbit"]) == (str(nodes), str(per_node), str(rate))
         ]
     if not rows:
         sys.exit(f"bench_comm_nodes: no {nodes} x {per_node} rows in comm_nodes.csv")
@@ -276,7 +277,7 @@ def main() -> int:
     args = p.parse_args()
     nodes = len(NS)
     if args.replot:
-        plot(latest_rows(nodes, args.per_node), _png(nodes, args.per_node))
+        plot(latest_rows(nodes, args.per_node, args.rate), _png(nodes, args.per_node, args.rate))
         return 0
     modes = args.modes.split(",")
     unknown = [m for m in modes if m not in MODES]
@@ -333,7 +334,7 @@ def main() -> int:
     if args.csv:
         write(rows)
         try:
-            plot(rows, _png(nodes, args.per_node))
+            plot(rows, _png(nodes, args.per_node, args.rate))
         except ImportError:
             print("matplotlib is missing: no plot (run again with --replot where it is installed)")
     skip = {"rel_err_torch_fp16", "grad_bytes", "tol", "intra_bytes_per_step"}

@@ -5,17 +5,21 @@ Per bucket, every gradient with ``dim > 1`` is compressed; the others go densely
 * local clipping (``clip_grad_func``: ``"norm"``, ``"value"`` or a callable, per tensor);
 * momentum correction in the hook's memory: ``mmt = m*mmt + g`` (nesterov: ``mmt = (mmt+g)*m``)
   and ``vec += mmt`` (nesterov: ``mmt + g``);
-* selection of a FIXED ``k = ceil(numel * ratio)`` entries of ``vec`` by ``aiak::dgc_select``
-  (sample, threshold, adapt, compact; padded with index -1): no host synchronisation;
+* selection of a FIXED ``k = ceil(numel * ratio)`` entries of ``vec`` per tensor, by the
+  sampling and threshold rules of DGC's reference code (padded with index -1): no host sync;
 * momentum factor masking: ``vec[idx] = 0`` and (``momentum_masking``) ``mmt[idx] = 0``;
-* one allgather of the packed (values, indices) bytes of the whole bucket, one averaging
+* one allgather of the packed (indices, values) bytes of the whole bucket, one averaging
   allreduce of its dense tensors (momentum applied locally: averaging is linear, so that is
-  SGD momentum of the mean gradient); the result is ``zeros.index_add(idx_all, vals_all)/P``.
+  SGD momentum of the mean gradient; fp16 with ``fp16_values``); the result is
+  ``zeros.index_add(idx_all, vals_all)/P``.
+
+All of it runs over the bucket's flat buffer in a fixed number of torch launches, whatever the
+number of tensors (comm/_dgc_bucket.py: memory and the step; aiak.ops.dgc_bucket: selection).
 
 The optimizer must be SGD that applies momentum only to weight decay: :class:`DGCSGD`
 (``DGCSGD.from_optimizer(torch.optim.SGD(...))``; its code is comm/_dgc_sgd.py). Memory is
-kept per parameter (by name when the hook is registered with :func:`aiak.comm.register`), in
-fp32, and pickles with the state.
+fp32, flat per bucket, and pickles per parameter (by name when the hook is registered with
+:func:`aiak.comm.register`) with the state.
 """
 
 from __future__ import annotations
