@@ -218,7 +218,7 @@ class BucketPlan:
             # the first step whose count is not (or runs out at ``iters``)
             stop = c[:, :iters] >= lowk[:, None]
             found = stop.any(1)
-            first = stop.byte().argmax(1) if iters else torch.zeros_like(k)
+            first = stop.int().argmax(1) if iters else torch.zeros_like(k)
             b = torch.where(found & self.adapt, first, torch.where(self.adapt, iters, 0))
             thr = thr_all.gather(1, b[:, None])[:, 0]
             cb = c.gather(1, b[:, None])[:, 0]

@@ -187,3 +187,31 @@ def test_torch_ops_per_bucket_do_not_grow_with_its_tensors(clip) -> None:
             mem.step(state, bucket.buf, state.ratio(), _gen(1))
         counts.append(ops.n)
     assert counts[0] == counts[1], counts
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kw", [{}, {"nesterov": True, "resample": False}, {"fp16_values": True}])
+def test_bucket_step_on_cuda_equals_the_cpu_step(kw) -> None:
+    state = comm.dgc(**{"compress_ratio": 0.01, **kw}).state
+    cpu, gpu = Bucket(SHAPES), Bucket(SHAPES)
+    gpu.buf = gpu.buf.cuda()
+    gpu.grads = [gpu.buf[o : o + g.numel()].view(g.shape) for o, g in _offsets(cpu.grads)]
+    mems = _memory(state, cpu), _memory(state, gpu)
+    data = torch.Generator().manual_seed(3)
+    for step in range(3):
+        g = torch.randn(cpu.buf.numel(), generator=data)
+        cpu.buf.copy_(g)
+        gpu.buf.copy_(g)
+        a = mems[0].step(state, cpu.buf, state.ratio(), _gen(step))
+        b = mems[1].step(state, gpu.buf, state.ratio(), _gen(step))
+        torch.testing.assert_close(b[0].cpu(), a[0], rtol=1e-6, atol=1e-7)
+        assert torch.equal(b[2].cpu(), a[2]), step  # the same selection
+        torch.testing.assert_close(b[3].cpu(), a[3], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(mems[1].vec.cpu(), mems[0].vec, rtol=1e-6, atol=1e-7)
+
+
+def _offsets(grads: list[torch.Tensor]):
+    at = 0
+    for g in grads:
+        yield at, g
+        at += g.numel()
