@@ -92,7 +92,9 @@ class BucketMemory:
             sparse = [(off, n) for off, n, big in self.tensors if big and ratio < 1.0]
             dense = [range(off, off + n) for off, n, big in self.tensors if not big or ratio >= 1]
             dev = self.mmt.device
-            dpos = torch.tensor([i for r in dense for i in r], dtype=torch.int64).to(dev)
+            dpos = None  # every element dense: the whole buffer, no position table
+            if sparse:
+                dpos = torch.tensor([i for r in dense for i in r], dtype=torch.int64).to(dev)
             cls = _plan_class()
             plan = None
             if sparse and cls is not None:
@@ -128,10 +130,10 @@ class BucketMemory:
 
     def step(
         self, state: Any, buf: torch.Tensor, ratio: float, gen: torch.Generator
-    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Clip, momentum, select and mask: ``(dense values, their positions, selected
-        positions, selected values)``; positions index the bucket, padding is ``length`` (the
-        dump slot, value 0)."""
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """Clip, momentum, select and mask: ``(dense values, their positions (None: the whole
+        buffer), selected positions, selected values)``; positions index the bucket, padding
+        is ``length`` (the dump slot, value 0)."""
         plan, dpos, sparse = self.plan(ratio, state)
         self.clip(state, buf)
         length, m = self.length, state.momentum
@@ -140,13 +142,13 @@ class BucketMemory:
             body.add_(buf).mul_(m)
         else:
             body.mul_(m).add_(buf)
+        if not sparse:
+            return (body + buf if state.nesterov else body.clone()), None, None, None
         dense = None
         if dpos.numel():
             dense = body[dpos]
             if state.nesterov:
                 dense += buf[dpos]
-        if not sparse:
-            return dense, dpos, None, None
         vec = self.vec[:length]
         vec.add_(body)
         if state.nesterov:

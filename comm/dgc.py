@@ -173,7 +173,10 @@ class _DGC(CommHook):
                 buf.zero_()
             if dense:
                 _streams.keep(dbuf)
-                buf.index_copy_(0, dpos, dbuf.to(buf.dtype))
+                if dpos is None:
+                    buf.copy_(dbuf)
+                else:
+                    buf.index_copy_(0, dpos, dbuf.to(buf.dtype))
             return buf
 
         return _futures.after(torch.futures.collect_all(futs), decode, buf)
