@@ -7,7 +7,9 @@ same gradients, same run:
 * ``allreduce``: DDP's own allreduce (the floor);
 * ``dgc per-tensor``: the previous hook, one ``aiak::dgc_select`` (and a dozen torch ops) per
   compressed tensor, written out here for this comparison only;
-* ``dgc``: ``aiak.comm.dgc``, the multi-tensor path (a fixed number of launches per bucket).
+* ``dgc``: ``aiak.comm.dgc``, the multi-tensor path (a fixed number of torch calls per bucket),
+  with ``cuda_graphs`` off; ``dgc graphs`` (CUDA): the same, each bucket's selection one CUDA
+  graph replay (the default on CUDA).
 
 Per row: host ms per step (the backward call returns, GPU not waited for), step ms
 (synchronised), aten ops per step (a dispatch-mode count) and CUDA kernel launches per step
@@ -138,8 +140,10 @@ def measure(name: str, args, device: torch.device, shapes, weights) -> dict:
 
     model = Shapes(shapes).to(device)
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb)
-    if name == "dgc":
-        comm.register(ddp, comm.dgc(compress_ratio=args.ratio))
+    if name.startswith("dgc") and name != "dgc per-tensor":
+        hook = comm.dgc(compress_ratio=args.ratio)
+        hook.state.cuda_graphs = name == "dgc graphs"
+        comm.register(ddp, hook)
     elif name == "dgc per-tensor":
         ddp.register_comm_hook(None, per_tensor_hook(args.ratio))
 
@@ -204,10 +208,10 @@ def main() -> int:
         shapes = resnet50_shapes()
         gen = torch.Generator().manual_seed(1 + dist.get_rank())
         weights = [torch.randn(s, generator=gen).to(device) for s in shapes]
-        rows = [
-            measure(name, args, device, shapes, weights)
-            for name in ("allreduce", "dgc per-tensor", "dgc")
-        ]
+        names = ["allreduce", "dgc per-tensor", "dgc"]
+        if device.type == "cuda":
+            names.append("dgc graphs")
+        rows = [measure(name, args, device, shapes, weights) for name in names]
     finally:
         dist.destroy_process_group()
     if int(os.environ["RANK"]) != 0:
@@ -222,8 +226,9 @@ def main() -> int:
             f"{r['mode']:>16} {r['host_ms']:>9.2f} {r['step_ms']:>9.2f} {r['aten_ops']:>9} "
             f"{launches:>14}"
         )
-    ratio = by["dgc per-tensor"]["host_ms"] / by["dgc"]["host_ms"]
-    print(f"host time per step, per-tensor / multi-tensor: {ratio:.2f}x")
+    for name in names[2:]:
+        ratio = by["dgc per-tensor"]["host_ms"] / by[name]["host_ms"]
+        print(f"host time per step, per-tensor / {name}: {ratio:.2f}x")
     if args.csv:
         from _harness import append_csv
 

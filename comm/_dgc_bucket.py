@@ -159,7 +159,9 @@ class BucketMemory:
             idx = torch.cat([_topk(vec, off, n, ratio) for off, n in sparse])
         else:
             u = plan.sample_uniforms(gen)
-            idx = plan.select(
+            # on CUDA one graph replay per bucket (DGCState.cuda_graphs, default True)
+            graphed = vec.is_cuda and getattr(state, "cuda_graphs", True)
+            idx = (plan.select_graphed if graphed else plan.select)(
                 vec, u, state.compress_upper_bound, state.compress_lower_bound,
                 state.max_adaptation_iters, state.resample,
             )  # fmt: skip

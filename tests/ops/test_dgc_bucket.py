@@ -205,3 +205,24 @@ def test_segments_must_be_inside_the_buffer_and_disjoint() -> None:
         BucketPlan([(0, 10), (5, 10)], 20, 0.1, 0.01, True, CPU)
     with pytest.raises(ValueError, match="overlaps or leaves"):
         BucketPlan([(15, 10)], 20, 0.1, 0.01, True, CPU)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("resample", [True, False])
+def test_graph_replay_equals_the_eager_selection(resample: bool) -> None:
+    dev = torch.device("cuda")
+    segs = [(0, 50_000), (50_003, 7), (50_010, 200_000)]
+    plan = BucketPlan(segs, 250_010, 0.001, 0.01, True, dev)
+    x = torch.empty(250_010, device=dev)  # one address, new values every step
+    gen = torch.Generator().manual_seed(0)
+    for step in range(4):
+        x.copy_(
+            torch.from_numpy(
+                _data(x.numel(), ("normal", "heavy")[step % 2], np.random.default_rng(step))
+            )
+        )
+        u = plan.sample_uniforms(gen)
+        eager = plan.select(x, u, 1.3, 0.8, 10, resample)
+        graphed = plan.select_graphed(x, u, 1.3, 0.8, 10, resample).clone()
+        assert torch.equal(graphed, eager), step
+    assert len(plan._graphs) == 1  # captured once
