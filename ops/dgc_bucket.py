@@ -94,6 +94,8 @@ class BucketPlan:
         self.k = [p[0] for p in plans]
         self.total = sum(self.k)  # values (and indices) this bucket sends
         self.strided = strided
+        self.segments = [(bounds[i][0], bounds[i][1]) for i in sparse]
+        self.plans = plans
         self.strides = [p[3] for p in plans]
         self.nsamples = [p[1] for p in plans]
         base, seg, rand_n, picks = [], [], [], []
@@ -183,7 +185,76 @@ class BucketPlan:
     ) -> torch.Tensor:
         """Indices (into the buffer ``x``, fp32, ``length`` elements) of every segment's
         selection, ``self.total`` of them, segment after segment, ascending, padded with -1.
-        ``u``: :meth:`sample_uniforms`."""
+        ``u``: :meth:`sample_uniforms`. On CUDA :meth:`select_multi` (a fixed number of
+        launches), elsewhere :meth:`select_reference` (a loop over the segments: without
+        launches to save, the loop and its early stops cost less); the same results."""
+        fn = self.select_multi if x.is_cuda else self.select_reference
+        return fn(x, u, upper, lower, iters, resample)
+
+    def select_reference(
+        self,
+        x: torch.Tensor,
+        u: torch.Tensor,
+        upper: float,
+        lower: float,
+        iters: int,
+        resample: bool,
+    ) -> torch.Tensor:
+        """:meth:`select` segment by segment, as DGC's reference code runs it (the loop
+        counts, and stops, on the host)."""
+        out = torch.full((self.total,), -1, dtype=torch.int64, device=x.device)
+        up = torch.tensor(upper, dtype=torch.float32)
+        low = torch.tensor(lower, dtype=torch.float32)
+        uc = u.cpu()
+        at = first = 0
+        for j, ((off, n), (k, m, ks, stride)) in enumerate(zip(self.segments, self.plans)):
+            bits = x[off : off + n].abs().view(torch.int32)
+            if self.strided or m == n:
+                start = int(float(uc[j]) * stride) if self.strided else 0
+                samples = bits[start : start + (m - 1) * stride + 1 : stride]
+            else:
+                samples = bits[(uc[first : first + m] * n).long()]
+            first += m  # uniform draws: one per sample of every segment, whole ones too
+            thr = int(torch.topk(samples, ks).values[-1])
+            c = int((bits >= thr).sum())
+            exact = False
+            for _ in range(iters if m < n else 0):  # no adaptation when sampled whole
+                if c > upper * k:
+                    if resample:
+                        exact = True
+                        break
+                    factor = up
+                elif c < lower * k:
+                    factor = low
+                else:
+                    break
+                t = torch.tensor([thr], dtype=torch.int32).view(torch.float32) * factor
+                thr = int(t.view(torch.int32))
+                c = int((bits >= thr).sum())
+            if exact:  # the exact top-k, ties to the lowest index
+                kth = int(torch.topk(bits, k).values[-1])
+                equal = bits == kth
+                sel = (bits > kth) | (
+                    equal & (torch.cumsum(equal, 0) <= k - int((bits > kth).sum()))
+                )
+            else:
+                sel = bits >= thr
+            idx = torch.nonzero(sel).reshape(-1)[:k]
+            out[at : at + idx.numel()] = idx + off
+            at += k
+        return out
+
+    def select_multi(
+        self,
+        x: torch.Tensor,
+        u: torch.Tensor,
+        upper: float,
+        lower: float,
+        iters: int,
+        resample: bool,
+    ) -> torch.Tensor:
+        """:meth:`select` over the whole bucket in a fixed number of torch calls, no host
+        synchronisation (the module docstring)."""
         dev = self.device
         bits = x.abs().view(torch.int32).long()
         keys = bits + torch.repeat_interleave(self.seg_key, self.seg_len, output_size=self.length)
@@ -263,7 +334,7 @@ class BucketPlan:
         iters: int,
         resample: bool,
     ) -> torch.Tensor:
-        """:meth:`select` on CUDA as one graph replay: its ~175 torch calls are captured once
+        """:meth:`select_multi` on CUDA as one graph replay: its ~175 torch calls are captured once
         per (``x``'s address, settings) and replayed on the current stream, so a step costs
         one launch and one copy of ``u`` instead of ~175 launches of host time. ``x`` must
         keep its address (the hook's flat memory does). The result is the graph's output
@@ -275,12 +346,12 @@ class BucketPlan:
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):  # lazy initialisation happens outside the capture
-                self.select(x, u_in, upper, lower, iters, resample)
+                self.select_multi(x, u_in, upper, lower, iters, resample)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             # thread_local: DDP's other threads (and NCCL's) may call CUDA meanwhile
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                out = self.select(x, u_in, upper, lower, iters, resample)
+                out = self.select_multi(x, u_in, upper, lower, iters, resample)
             got = self._graphs[key] = (graph, u_in, out)
         graph, u_in, out = got
         u_in.copy_(u, non_blocking=True)

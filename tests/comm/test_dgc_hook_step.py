@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from aiak import comm
 from aiak.comm import _dgc_bucket
+from aiak.ops.dgc_bucket import BucketPlan
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _dgc_ref import plan_f64, sparsify_f64
@@ -114,7 +115,10 @@ def _reference_step(state, grads, mmt, vec, gen):
         {"compress_ratio": 0.3, "sample_ratio": 1.0},
     ],
 )
-def test_bucket_step_equals_the_per_tensor_algorithm(kw) -> None:
+@pytest.mark.parametrize("path", ["select_reference", "select_multi"])
+def test_bucket_step_equals_the_per_tensor_algorithm(kw, path, monkeypatch) -> None:
+    # the CPU runs the reference loop; the multi-tensor path (CUDA's) is forced here too
+    monkeypatch.setattr(BucketPlan, "select", getattr(BucketPlan, path))
     state = comm.dgc(**{"compress_ratio": 0.05, "momentum": 0.9, **kw}).state
     bucket = Bucket(SHAPES)
     mem = _memory(state, bucket)
@@ -174,7 +178,8 @@ class _Ops(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("clip", [None, "norm", "value"])
-def test_torch_ops_per_bucket_do_not_grow_with_its_tensors(clip) -> None:
+def test_torch_ops_per_bucket_do_not_grow_with_its_tensors(clip, monkeypatch) -> None:
+    monkeypatch.setattr(BucketPlan, "select", BucketPlan.select_multi)  # CUDA's path
     params = {"norm": {"max_norm": 1.0}, "value": {"clip_value": 0.1}}.get(clip)
     state = comm.dgc(compress_ratio=0.01, clip_grad_func=clip, clip_grad_func_params=params).state
     counts = []

@@ -53,10 +53,12 @@ def _expected(x, segs, ratio, sr, strided, u, upper, lower, iters, resample) -> 
 def _run(device, segs, length, x, ratio, sr, strided, seed, iters, resample):
     plan = BucketPlan(segs, length, ratio, sr, strided, device)
     u = plan.sample_uniforms(torch.Generator().manual_seed(seed))
-    got = plan.select(torch.from_numpy(x).to(device), u, 1.3, 0.8, iters, resample)
     exp = _expected(x, segs, ratio, sr, strided, u.cpu(), 1.3, 0.8, iters, resample)
-    assert got.dtype == torch.int64 and got.shape == (plan.total,)
-    np.testing.assert_array_equal(got.cpu().numpy(), exp)
+    xd = torch.from_numpy(x).to(device)
+    for select in (plan.select_reference, plan.select_multi):
+        got = select(xd, u, 1.3, 0.8, iters, resample)
+        assert got.dtype == torch.int64 and got.shape == (plan.total,)
+        np.testing.assert_array_equal(got.cpu().numpy(), exp, err_msg=select.__name__)
 
 
 _CASE = {
@@ -128,8 +130,9 @@ def test_no_adaptation_when_the_tensor_is_sampled_whole() -> None:
     # adaptation the first two at or above it are kept.
     x = torch.tensor([1.0, 1.0, 1.0, 2.0])
     plan = BucketPlan([(0, 4)], 4, 0.5, 0.01, True, CPU)
-    got = plan.select(x, plan.sample_uniforms(torch.Generator()), 1.3, 0.8, 10, True)
-    assert got.tolist() == [0, 1]
+    u = plan.sample_uniforms(torch.Generator())
+    for select in (plan.select_reference, plan.select_multi):
+        assert select(x, u, 1.3, 0.8, 10, True).tolist() == [0, 1]
     # a tensor sampled by stride adapts: 2001 entries reach thr0 = 1 (> 1.3 k), so the exact
     # top-1000 is taken: the 2 and the first 999 ones
     n = 100_000
@@ -138,8 +141,9 @@ def test_no_adaptation_when_the_tensor_is_sampled_whole() -> None:
     y[5000] = 2.0
     plan = BucketPlan([(0, n)], n, 0.01, 0.01, True, CPU)
     assert plan.nsamples[0] < n
-    got = plan.select(y, torch.zeros(1, dtype=torch.float64), 1.3, 0.8, 10, True)
-    assert got.tolist() == [*range(999), 5000]
+    for select in (plan.select_reference, plan.select_multi):
+        got = select(y, torch.zeros(1, dtype=torch.float64), 1.3, 0.8, 10, True)
+        assert got.tolist() == [*range(999), 5000]
 
 
 def _rounding_case() -> tuple[float, float, float]:
@@ -167,12 +171,14 @@ def test_threshold_is_rounded_at_every_adaptation_step() -> None:
     below = np.float32(rep * np.float32(0.9))
     x[free[900:1400]] = below  # reached at the 3rd step
     plan = BucketPlan([(0, n)], n, ratio, 0.01, True, CPU)
-    got = plan.select(torch.from_numpy(x), torch.zeros(1, dtype=torch.float64), 1.3, 0.8, 10, True)
     exp = sparsify_f64(x, ratio, 0.01, np.arange(m) * stride, 1.3, 0.8, 10, True)
-    np.testing.assert_array_equal(got.numpy(), exp)
-    # per-step rounding stops at thr = rep with 911 entries; a single rounding (rep < single)
-    # would go one step further, count 1411 > 1.3 k and take the exact top-1000
-    assert int((got >= 0).sum()) == ks + 900
+    u = torch.zeros(1, dtype=torch.float64)
+    for select in (plan.select_reference, plan.select_multi):
+        got = select(torch.from_numpy(x), u, 1.3, 0.8, 10, True)
+        np.testing.assert_array_equal(got.numpy(), exp)
+        # per-step rounding stops at thr = rep with 911 entries; a single rounding (rep <
+        # single) would go one step further, count 1411 > 1.3 k and take the exact top-1000
+        assert int((got >= 0).sum()) == ks + 900
 
 
 class _Ops(TorchDispatchMode):
@@ -187,6 +193,7 @@ class _Ops(TorchDispatchMode):
 
 @pytest.mark.parametrize("resample", [True, False])
 def test_torch_ops_per_bucket_do_not_grow_with_its_tensors(resample: bool) -> None:
+    # the multi-tensor path, CUDA's (on the CPU the loop over segments runs instead)
     counts = []
     for ntensors in (3, 60):
         segs = [(i * 5000, 5000) for i in range(ntensors)]
@@ -195,7 +202,7 @@ def test_torch_ops_per_bucket_do_not_grow_with_its_tensors(resample: bool) -> No
         x = torch.randn(length)
         u = plan.sample_uniforms(torch.Generator())
         with _Ops() as ops:
-            plan.select(x, u, 1.3, 0.8, 10, resample)
+            plan.select_multi(x, u, 1.3, 0.8, 10, resample)
         counts.append(ops.n)
     assert counts[0] == counts[1], counts
 
