@@ -3,9 +3,12 @@
 A DDP bucket is one flat buffer holding many gradients. :class:`BucketPlan` is built once per
 bucket layout and compress ratio: it holds each compressed segment's sampling plan and the
 device tables (segment keys and lengths, sample positions, output offsets) that let
-:meth:`BucketPlan.select` run every segment's sample, threshold, adaptation and compaction as
-torch ops over the whole bucket: no Python loop over tensors, no host synchronisation, and a
-launch count that depends on ``iters`` but not on the number of tensors.
+:meth:`BucketPlan.select_multi` run every segment's sample, threshold, adaptation and
+compaction as torch ops over the whole bucket: no Python loop over tensors, no host
+synchronisation, and a launch count that depends on ``iters`` but not on the number of
+tensors; :meth:`BucketPlan.select_graphed` replays them as one CUDA graph. On the CPU,
+:meth:`BucketPlan.select_reference` loops over the segments (no launches to save there, and
+its loop stops early); both give the same indices.
 
 The rules are those of DGC's reference code (docs/dgc.md, "Sampling and threshold"):
 
