@@ -13,6 +13,7 @@ one); :func:`export` writes the flat buffers back into those dicts, and a new bu
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -159,12 +160,25 @@ class BucketMemory:
             idx = torch.cat([_topk(vec, off, n, ratio) for off, n in sparse])
         else:
             u = plan.sample_uniforms(gen)
-            # on CUDA one graph replay per bucket (DGCState.cuda_graphs, default True)
-            graphed = vec.is_cuda and getattr(state, "cuda_graphs", True)
-            idx = (plan.select_graphed if graphed else plan.select)(
+            args = (
                 vec, u, state.compress_upper_bound, state.compress_lower_bound,
                 state.max_adaptation_iters, state.resample,
             )  # fmt: skip
+            idx = None
+            # on CUDA one graph replay per bucket (DGCState.cuda_graphs, default True)
+            if vec.is_cuda and getattr(state, "cuda_graphs", True):
+                try:
+                    idx = plan.select_graphed(*args)
+                except RuntimeError as exc:  # a capture this torch cannot do: say so, go on
+                    state.cuda_graphs = False
+                    warnings.warn(
+                        f"dgc: capturing the bucket selection as a CUDA graph failed ({exc}); "
+                        "it runs its torch calls one by one from now on (same results)",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+            if idx is None:
+                idx = plan.select(*args)
         idx = torch.where(idx < 0, length, idx)
         vals = self.vec[idx]
         self.vec.index_fill_(0, idx, 0.0)  # the dump slot stays 0: padded values send 0

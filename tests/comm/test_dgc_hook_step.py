@@ -213,6 +213,9 @@ def test_bucket_step_on_cuda_equals_the_cpu_step(kw) -> None:
         assert torch.equal(b[2].cpu(), a[2]), step  # the same selection
         torch.testing.assert_close(b[3].cpu(), a[3], rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(mems[1].vec.cpu(), mems[0].vec, rtol=1e-6, atol=1e-7)
+    # the device ran its selection as CUDA graph replays (no fallback to the calls one by one)
+    assert state.cuda_graphs
+    assert all(len(plan._graphs) == 1 for plan, _, _ in mems[1].plans.values())
 
 
 def _offsets(grads: list[torch.Tensor]):
