@@ -140,6 +140,7 @@ def measure(name: str, args, device: torch.device, shapes, weights) -> dict:
 
     model = Shapes(shapes).to(device)
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb)
+    hook = None
     if name.startswith("dgc") and name != "dgc per-tensor":
         hook = comm.dgc(compress_ratio=args.ratio)
         hook.state.cuda_graphs = name == "dgc graphs"
@@ -178,6 +179,8 @@ def measure(name: str, args, device: torch.device, shapes, weights) -> dict:
             step()
             sync()
         launches = sum(e.count for e in prof.key_averages() if e.key in _LAUNCHES)
+    if name == "dgc graphs" and not hook.state.cuda_graphs:
+        name = "dgc graphs FAILED (ran eager)"
     return {
         "mode": name,
         "host_ms": statistics.median(hosts) * 1e3,
@@ -227,6 +230,8 @@ def main() -> int:
             f"{launches:>14}"
         )
     for name in names[2:]:
+        if name not in by:
+            continue
         ratio = by["dgc per-tensor"]["host_ms"] / by[name]["host_ms"]
         print(f"host time per step, per-tensor / {name}: {ratio:.2f}x")
     if args.csv:
