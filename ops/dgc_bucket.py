@@ -46,6 +46,7 @@ __all__ = ["BucketPlan", "sample_plan"]
 _NONE = 1 << 31  # a threshold no importance reaches (|x| bits are < 2^31)
 _SENTINEL = (1 << 32) - 1  # above every threshold and importance of its segment
 _RADIX = ((20, 11), (10, 10), (0, 10))  # (shift, width) of the exact top-k's three passes
+_LANES = 32  # copies of the count bins (one per lane of a warp)
 
 
 def sample_plan(n: int, ratio: float, sample_ratio: float) -> tuple[int, int, int, int]:
@@ -154,9 +155,15 @@ class BucketPlan:
         (``ordered``: each row ascending already; else sorted here and counted back)."""
         sthr, order = (thr, None) if ordered else thr.sort(dim=1)
         pos, j = self._levels(keys, sthr)
+        # The elements of a segment hit its J + 1 bins, one cache line: spread over _LANES
+        # copies (element i into copy i % _LANES, a whole table apart) so that the atomic
+        # adds of a warp land on different lines instead of queueing on one.
+        nb = self.nseg * (j + 1)
+        lane = torch.arange(pos.numel(), device=self.device).bitwise_and_(_LANES - 1)
         ones = torch.ones(1, dtype=torch.int64, device=self.device).expand(pos.numel())
-        hist = torch.zeros(self.nseg * (j + 1), dtype=torch.int64, device=self.device)
-        hist.index_add_(0, pos, ones)
+        hist = torch.zeros(_LANES * nb, dtype=torch.int64, device=self.device)
+        hist.index_add_(0, lane.mul_(nb).add_(pos), ones)
+        hist = hist.view(_LANES, nb).sum(0)
         suffix = hist.view(self.nseg, j + 1).flip(1).cumsum(1).flip(1)[:, 1:]
         return suffix if order is None else torch.empty_like(suffix).scatter_(1, order, suffix)
 
