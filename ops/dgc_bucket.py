@@ -148,7 +148,8 @@ class BucketPlan:
         j = thr.shape[1]
         sent = torch.full((self.nseg, 1), _SENTINEL, dtype=torch.int64, device=self.device)
         table = torch.cat([thr, sent], 1).add_(self.seg_key[:, None]).reshape(-1)
-        return torch.searchsorted(table, keys, right=True), j
+        # int32 positions: half the bytes of every pass that reads them (tables < 2^31 / 32)
+        return torch.searchsorted(table, keys, right=True, out_int32=True), j
 
     def _counts(self, keys: torch.Tensor, thr: torch.Tensor, ordered: bool) -> torch.Tensor:
         """[nseg, J]: elements of each segment at or above each of its ``J`` thresholds
@@ -159,7 +160,8 @@ class BucketPlan:
         # copies (element i into copy i % _LANES, a whole table apart) so that the atomic
         # adds of a warp land on different lines instead of queueing on one.
         nb = self.nseg * (j + 1)
-        lane = torch.arange(pos.numel(), device=self.device).bitwise_and_(_LANES - 1)
+        lane = torch.arange(pos.numel(), dtype=torch.int32, device=self.device)
+        lane.bitwise_and_(_LANES - 1)
         ones = torch.ones(1, dtype=torch.int64, device=self.device).expand(pos.numel())
         hist = torch.zeros(_LANES * nb, dtype=torch.int64, device=self.device)
         hist.index_add_(0, lane.mul_(nb).add_(pos), ones)
