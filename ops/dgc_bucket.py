@@ -102,31 +102,33 @@ class BucketPlan:
         self.plans = plans
         self.strides = [p[3] for p in plans]
         self.nsamples = [p[1] for p in plans]
-        base, seg, rand_n, picks = [], [], [], []
-        for j, (i, (_, m, ks, stride)) in enumerate(zip(sparse, plans)):
+        base, rand_n, picks, total = [], [], [], 0
+        for i, (_, m, ks, stride) in zip(sparse, plans):
             off, n, _ = bounds[i]
-            whole = m == n
-            if strided or whole:
-                base.extend(range(off, off + m * stride, stride))
-                rand_n.extend([0] * m)
+            if strided or m == n:
+                base.append(torch.arange(off, off + m * stride, stride))
+                rand_n.append(torch.zeros(m, dtype=torch.float64))
             else:  # uniform samples: off + floor(u * n)
-                base.extend([off] * m)
-                rand_n.extend([n] * m)
-            seg.extend([j] * m)
-            picks.append(len(base) - ks)  # the k_s-th largest in the sorted samples
+                base.append(torch.full((m,), off))
+                rand_n.append(torch.full((m,), float(n), dtype=torch.float64))
+            total += m
+            picks.append(total - ks)  # the k_s-th largest in the sorted samples
         whole_seg = [p[1] == bounds[i][1] for i, p in zip(sparse, plans)]
+        seg = torch.repeat_interleave(
+            torch.arange(len(sparse)), torch.tensor(self.nsamples, dtype=torch.int64)
+        )
 
-        def dev(values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(device)
+        def dev(values: list | torch.Tensor, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+            return torch.as_tensor(values, dtype=dtype).to(device)
 
         self.seg_len = dev([b[1] for b in bounds])
         self.seg_key = dev([i << 32 for i in range(self.nseg)])
         self.seg_start = dev([b[0] for b in bounds])
         self.sparse = dev(sparse)
-        self.sample_base = dev(base)
+        self.sample_base = dev(torch.cat(base) if base else torch.zeros(0))
         self.sample_seg = dev(seg)
         self.sample_seg_key = self.sample_seg << 32
-        self.sample_rand_n = dev(rand_n, torch.float64)
+        self.sample_rand_n = dev(torch.cat(rand_n) if rand_n else torch.zeros(0), torch.float64)
         self.picks = dev(picks)
         self.stride_f = dev(self.strides, torch.float64)
         self.kf = dev(self.k, torch.float64)
