@@ -71,7 +71,7 @@ class DGCState(HookState):
         self.epoch = 0
         self.seed = 0
         # On CUDA each bucket's selection is one CUDA graph replay (aiak.ops.dgc_bucket);
-        # False runs its ~175 torch calls one by one (same results).
+        # False runs its ~190 torch calls one by one (same results).
         self.cuda_graphs = True
         # True for a hook built from AIAK_DGC=1: its momentum comes from the SGD optimizer
         # (link_dgc_optimizer); exchanging gradients before that would use a guessed momentum.

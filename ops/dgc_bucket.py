@@ -348,9 +348,9 @@ class BucketPlan:
         iters: int,
         resample: bool,
     ) -> torch.Tensor:
-        """:meth:`select_multi` on CUDA as one graph replay: its ~175 torch calls are captured once
+        """:meth:`select_multi` on CUDA as one graph replay: its ~190 torch calls are captured once
         per (``x``'s address, settings) and replayed on the current stream, so a step costs
-        one launch and one copy of ``u`` instead of ~175 launches of host time. ``x`` must
+        one launch and one copy of ``u`` instead of ~190 launches of host time. ``x`` must
         keep its address (the hook's flat memory does). The result is the graph's output
         buffer, rewritten by the next replay: read it (stream-ordered) before that."""
         key = (x.data_ptr(), x.numel(), upper, lower, iters, resample)
