@@ -1,4 +1,5 @@
-"""The training script ``bench_comm_nodes.py`` starts with ``aiakrun``: torch only, no aiak call.
+"""The training script ``bench_comm_nodes.py`` starts with ``aiakrun``: torch only, no aiak call
+(but ``--optimizer fused-sgd``, which builds aiak.optim.FusedSGD as a user would).
 
 aiakrun's flags switch the hook on (activation registers it when DDP is built); this script
 trains as it would without them. Per model it measures, on every rank:
@@ -7,6 +8,8 @@ trains as it would without them. Per model it measures, on every rank:
   (local backward on a copy, ``all_reduce`` / world: what DDP's own allreduce returns), and
   against torch's fp16 hook's result on the same gradients (the bound for fp16 wires);
 * the step time (synchronised; a step ends when the slowest rank ends);
+* the optimizer's step alone (``opt_ms``, synchronised; not where the overlap steps it inside
+  the backward);
 * the bytes sent per step per stage, from the registered hook's counters (``ddp._aiak_hook``,
   read here only for the report), and the bytes that left this node's link device.
 
@@ -86,7 +89,12 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device) -> dict
     ddp = nn.parallel.DistributedDataParallel(model)
     hook = getattr(ddp, "_aiak_hook", None)  # what aiakrun's activation registered, if any
     # SGD with momentum: what DGC's launcher mode swaps for its own optimizer.
-    opt = torch.optim.SGD(ddp.parameters(), lr=1e-4, momentum=0.9)
+    if args.optimizer == "fused-sgd":
+        from aiak.optim import FusedSGD
+
+        opt = FusedSGD(ddp.parameters(), lr=1e-4, momentum=0.9)
+    else:
+        opt = torch.optim.SGD(ddp.parameters(), lr=1e-4, momentum=0.9)
 
     def sync() -> None:
         if device.type == "cuda":
@@ -123,11 +131,22 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device) -> dict
         times.append((time.perf_counter() - t) * 1e3)
     tx1 = link_bytes(args.link_dev)
     sent1 = hook.state.bytes_sent() if hook is not None else None
+    opt_ms = -1.0
+    if os.environ.get("AIAK_OVERLAP_BACKWARD_AND_STEP", "0") != "1":
+        opt_times = []
+        for _ in range(args.steps):
+            sync()
+            t = time.perf_counter()
+            opt.step()
+            sync()
+            opt_times.append((time.perf_counter() - t) * 1e3)
+        opt_ms = statistics.median(opt_times)
     per_rank = torch.tensor(
         [
             (sent1["intra_total"] - sent0["intra_total"]) / args.steps if hook else -1.0,
             (sent1["inter_total"] - sent0["inter_total"]) / args.steps if hook else -1.0,
             (tx1 - tx0) / args.steps,
+            opt_ms,
         ],
         dtype=torch.float64,
         device=device,
@@ -152,6 +171,7 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device) -> dict
         "intra_bytes_per_step": rows[:, 0].sum().item() if hook is not None else None,
         "inter_bytes_per_step": rows[:, 1].sum().item() if hook is not None else None,
         "link_tx_per_step": node_heads[:, 2].sum().item(),
+        "opt_ms": rows[:, 3].max().item() if rows[0, 3] >= 0 else None,
     }
 
 
@@ -160,6 +180,7 @@ def main() -> None:
     p.add_argument("--models", default="linear")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--optimizer", choices=("sgd", "fused-sgd"), default="sgd")
     p.add_argument(
         "--link-dev",
         default=os.environ.get("NCCL_SOCKET_IFNAME") or os.environ.get("GLOO_SOCKET_IFNAME"),

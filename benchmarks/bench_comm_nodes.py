@@ -1,9 +1,16 @@
 """aiak.comm across 2 "nodes" of one GPU machine: NVLink inside a node, a socket link between.
 
+Modes (``--modes``, default all): DDP's allreduce, aiak's flat allreduce, hierarchical (+ fp16),
+PowerSGD rank 1 and 4, DGC 0.001, downsampling n=4, and the backward/step overlap
+(``--overlap-backward-and-step``) with FusedSGD and with DGC, each beside its base mode: the
+report's ``opt_ms`` is the base mode's optimizer step alone and ``opt_hidden`` the share of it
+that the overlap removes from the step. ``--per-node 1`` runs 2 nodes x 1 GPU.
+
 Each node is a network namespace (``aiaknode0-<pid>``/``aiaknode1-<pid>``) joined to the other
 by a veth pair, optionally rate-limited with ``tc``. Every mode is one ``aiakrun`` job over both
 namespaces (``--remote-shell`` enters the node's namespace), its features switched on by
-aiakrun's flags only; the training script (``_nodes_worker.py``) is plain torch. Per node the
+aiakrun's flags only (downsampling, which has no flag, by the variable aiakrun forwards); the
+training script (``_nodes_worker.py``) is plain torch (FusedSGD where a mode names it). Per node the
 remote shell sets ``CUDA_VISIBLE_DEVICES`` to the node's GPUs and a distinct ``NCCL_HOSTID``:
 NCCL then treats the namespaces as separate hosts, keeps NVLink (P2P) between the GPUs of a node
 and sends everything between nodes through its socket transport over the veth
@@ -17,7 +24,7 @@ per rank, SGD. Reported per model and mode: the median step time, the relative e
 step's averaged gradient against the exact no-hook average (and torch's fp16 hook's error, the
 bound for fp16 wires), the bytes the hook sent per step per stage (all ranks), and the bytes
 that left the nodes through the link. Appends to ``benchmarks/results/comm_nodes.csv`` and
-draws ``comm_nodes_<N>x<G>.png`` (skipped without matplotlib; ``--replot`` later).
+draws ``comm_nodes_<N>x<G>[_<rate>mbit].png`` (skipped without matplotlib; ``--replot`` later).
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 # (the veth devices and addresses live inside the namespaces).
 NS = (f"aiaknode0-{os.getpid()}", f"aiaknode1-{os.getpid()}")
 WORKER = Path(__file__).resolve().parent / "_nodes_worker.py"
-# mode -> aiakrun flags (nothing else switches a feature on)
+# mode -> aiakrun flags (nothing else switches a feature on, but for MODE_ENV below)
 MODES: dict[str, list[str]] = {
     "DDP allreduce": [],
     "flat": ["--comm-log-steps", "1000000"],  # aiak's allreduce hook, registered to count bytes
@@ -54,8 +61,25 @@ MODES: dict[str, list[str]] = {
     "powersgd-r1": ["--powersgd", "--rank", "1", "--start-compress-iter", "2"],
     "powersgd-r4": ["--powersgd", "--rank", "4", "--start-compress-iter", "2"],
     "dgc-0.001": ["--dgc", "--compress-ratio", "0.001"],
+    "downsample-4": [],  # PERSEUS_DOWNSAMPLE_N_ELEMENTS=4 (MODE_ENV): aiakrun has no flag for it
+    "fused-sgd": ["--comm-log-steps", "1000000"],  # the overlap's baseline: flat, FusedSGD
+    "overlap": ["--overlap-backward-and-step"],
+    "dgc-0.001+overlap": ["--dgc", "--compress-ratio", "0.001", "--overlap-backward-and-step"],
 }
-LOSSLESS = {"DDP allreduce", "flat", "hierarchical"}
+# variables a mode adds to aiakrun's environment (aiakrun forwards PERSEUS_* to every rank)
+MODE_ENV: dict[str, dict[str, str]] = {"downsample-4": {"PERSEUS_DOWNSAMPLE_N_ELEMENTS": "4"}}
+# the training script's optimizer per mode (default: torch SGD with momentum)
+MODE_OPTIMIZER = {"fused-sgd": "fused-sgd", "overlap": "fused-sgd"}
+# an overlap mode -> the same mode without the overlap: how much of that mode's optimizer time
+# (opt_ms) leaves the step is (step_ms(base) - step_ms(overlap)) / opt_ms(base)
+OVERLAP_BASE = {"overlap": "fused-sgd", "dgc-0.001+overlap": "dgc-0.001"}
+# Multi-GPU processes keep NVLink multicast off, whatever environment they start with.
+NO_MULTICAST = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+LOSSLESS = {"DDP allreduce", "flat", "hierarchical", "fused-sgd", "overlap"}
 FIELDS = [
     "timestamp",
     "host",
@@ -75,6 +99,8 @@ FIELDS = [
     "inter_bytes_per_step",
     "link_tx_per_step",
     "grad_bytes",
+    "opt_ms",
+    "opt_hidden",
 ]
 
 
@@ -87,9 +113,7 @@ def remote_shell(tmp: Path, per_node: int, gpus: int) -> str:
             "NCCL_SOCKET_IFNAME": dev,
             "GLOO_SOCKET_IFNAME": dev,
             "NCCL_IB_DISABLE": "1",
-            "NCCL_NVLS_ENABLE": "0",
-            "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-            "NVSHMEM_DISABLE_NVLS": "1",
+            **NO_MULTICAST,
         }
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i * per_node + g) for g in range(per_node))
@@ -120,6 +144,7 @@ def run_mode(args, mode: str, shell: str, tmp: Path, port: int) -> list[dict]:
     argv = [sys.executable, "-m", "aiak.launch.run", "-H", hosts, "--remote-shell", shell]
     argv += ["--rdzv-timeout", "120", *MODES[mode], "--", sys.executable, str(WORKER)]
     argv += ["--models", args.models, "--steps", str(args.steps), "--out", str(out)]
+    argv += ["--warmup", str(args.warmup), "--optimizer", MODE_OPTIMIZER.get(mode, "sgd")]
     # The node's own settings come from its remote shell; none may arrive from here.
     own = ("CUDA_VISIBLE_DEVICES", "NCCL_HOSTID", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
     env = {
@@ -128,6 +153,8 @@ def run_mode(args, mode: str, shell: str, tmp: Path, port: int) -> list[dict]:
         if not k.startswith(("AIAK_", "PERSEUS_")) and k not in own
     }
     env.update(PERSEUS_MASTER_PORT=str(port), OMP_NUM_THREADS="1", GLOO_TIMEOUT_SECONDS="120")
+    env.update(NO_MULTICAST)
+    env.update(MODE_ENV.get(mode, {}))
     log = tmp / f"{mode}.log"
     with log.open("w") as f:
         proc = subprocess.Popen(
@@ -163,6 +190,17 @@ def check(rows: list[dict]) -> None:
         r["tol"], r["check"] = f"{tol:.1e}", "ok" if r["rel_err"] <= tol else "FAIL"
 
 
+def overlap_hidden(rows: list[dict]) -> None:
+    """``opt_hidden`` of each overlap row: the share of its base mode's optimizer time that
+    leaves the step (1: all of it; > 1: the overlap also hid some communication)."""
+    by = {(r["model"], r["mode"]): r for r in rows}
+    for r in rows:
+        base = by.get((r["model"], OVERLAP_BASE.get(r["mode"], "")))
+        if base is None or not base.get("opt_ms"):
+            continue
+        r["opt_hidden"] = round((base["step_ms"] - r["step_ms"]) / base["opt_ms"], 3)
+
+
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -189,16 +227,17 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def _png(nodes: int, per_node: int) -> Path:
-    return RESULTS / f"comm_nodes_{nodes}x{per_node}.png"
+def _png(nodes: int, per_node: int, rate: int) -> Path:
+    link = f"_{rate}mbit" if rate else ""
+    return RESULTS / f"comm_nodes_{nodes}x{per_node}{link}.png"
 
 
-def latest_rows(nodes: int, per_node: int) -> list[dict]:
+def latest_rows(nodes: int, per_node: int, rate: int) -> list[dict]:
     with (RESULTS / "comm_nodes.csv").open(newline="") as f:
         rows = [
             r
             for r in csv.DictReader(f)
-            if (r["nodes"], r["per_node"]) == (str(nodes), str(per_node))
+            if (r["nodes"], r["per_node"], r["link_mbit"]) == (str(nodes), str(per_node), str(rate))
         ]
     if not rows:
         sys.exit(f"bench_comm_nodes: no {nodes} x {per_node} rows in comm_nodes.csv")
@@ -230,6 +269,7 @@ def main() -> int:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--rate", type=int, default=0, help="link Mbit/s (tc tbf); 0: no limit")
     p.add_argument("--steps", type=int, default=10, help="timed steps per model and mode")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps before the checked one")
     p.add_argument("--limit", type=float, default=240, help="seconds per mode")
     p.add_argument("--csv", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--json", default="", help="also write the rows to this file")
@@ -237,7 +277,7 @@ def main() -> int:
     args = p.parse_args()
     nodes = len(NS)
     if args.replot:
-        plot(latest_rows(nodes, args.per_node), _png(nodes, args.per_node))
+        plot(latest_rows(nodes, args.per_node, args.rate), _png(nodes, args.per_node, args.rate))
         return 0
     modes = args.modes.split(",")
     unknown = [m for m in modes if m not in MODES]
@@ -288,15 +328,16 @@ def main() -> int:
             link_mbit=args.rate,
         )
         r["vs_flat"] = round(flat[r["model"]] / r["step_ms"], 3) if r["model"] in flat else ""
+    overlap_hidden(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows))
     if args.csv:
         write(rows)
         try:
-            plot(rows, _png(nodes, args.per_node))
+            plot(rows, _png(nodes, args.per_node, args.rate))
         except ImportError:
             print("matplotlib is missing: no plot (run again with --replot where it is installed)")
-    skip = {"rel_err_torch_fp16", "grad_bytes"}
+    skip = {"rel_err_torch_fp16", "grad_bytes", "tol", "intra_bytes_per_step"}
     cols = [c for c in FIELDS[FIELDS.index("model") :] if c not in skip]
     print("  ".join(f"{c:>18}" for c in cols))
     for r in rows:
