@@ -58,8 +58,8 @@ MODES: dict[str, list[str]] = {
     "flat": ["--comm-log-steps", "1000000"],  # aiak's allreduce hook, registered to count bytes
     "hierarchical": ["--hierarchical-allreduce"],
     "hierarchical+fp16": ["--hierarchical-allreduce", "--fp16-compression"],
-    "powersgd-r1": ["--powersgd", "--rank", "1", "--start-compress-iter", "2"],
-    "powersgd-r4": ["--powersgd", "--rank", "4", "--start-compress-iter", "2"],
+    "powersgd-r1": ["--powersgd", "--powersgd-rank", "1", "--start-compress-iter", "2"],
+    "powersgd-r4": ["--powersgd", "--powersgd-rank", "4", "--start-compress-iter", "2"],
     "dgc-0.001": ["--dgc", "--compress-ratio", "0.001"],
     "downsample-4": [],  # PERSEUS_DOWNSAMPLE_N_ELEMENTS=4 (MODE_ENV): aiakrun has no flag for it
     "fused-sgd": ["--comm-log-steps", "1000000"],  # the overlap's baseline: flat, FusedSGD

@@ -149,6 +149,7 @@ def activate(environ: Mapping[str, str] | None = None) -> list[str]:
             hook = build(cfg)
             _overlap_at_first_forward(self, hook, cfg)
             self._aiak_hook = hook
+            _dgc_auto.on_ddp(self, hook)  # a DGC hook is linked to its DGCSGD either way
         else:
             hook = register(self, environ=env)
             self._aiak_hook, self._aiak_auto = hook, True  # a later register() call sees them

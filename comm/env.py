@@ -163,13 +163,8 @@ def parse_env(environ: Mapping[str, str] | None = None) -> EnvConfig:
     _seconds(env, NCCL_TIMEOUT_VARIABLE)
     overlap = _flag(env, OVERLAP_VARIABLE)
     dgc = _dgc_settings(env, overlap)
-    if overlap:
-        if dgc is not None:
-            raise ValueError(
-                f"{OVERLAP_VARIABLE}=1 with AIAK_DGC=1: activation does one or the other; for "
-                "both, call aiak.comm.overlap_step(model, optimizer, hook=aiak.comm.dgc(...))"
-            )
-        cfg = dataclasses.replace(cfg, overlap=True, clip=_clip(env))
+    if overlap:  # with DGC the clipping runs inside DGC's hook, not a second time
+        cfg = dataclasses.replace(cfg, overlap=True, clip=None if dgc is not None else _clip(env))
     if dgc is not None:
         cfg = dataclasses.replace(cfg, dgc=dgc)
         others = [

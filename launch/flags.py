@@ -127,11 +127,6 @@ CONFLICTS: tuple[tuple[str, str, str], ...] = (
     ("--dgc", "--fp16-compression", "choose one compression"),
     ("--dgc", "--hierarchical-allreduce", "DGC's allgather runs over all ranks"),
     ("--dgc", "--fuse-optimizer", "DGC steps its own SGD"),
-    (
-        "--dgc",
-        "--overlap-backward-and-step",
-        "from the launcher, one or the other; together: aiak.comm.overlap_step(..., hook=dgc)",
-    ),
 )
 
 

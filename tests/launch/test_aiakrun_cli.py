@@ -95,7 +95,6 @@ def test_rank_is_a_deprecated_spelling_of_powersgd_rank():
         (["--powersgd", "--fp16-compression"], "cannot be combined"),
         (["--rank", "2"], "--powersgd-rank needs --powersgd"),
         (["--gradient-momentum", "0.5"], "needs --downsample-n-elements"),
-        (["--dgc", "--overlap-backward-and-step"], "cannot be combined"),
         (["--clip-grad-func", "norm"], "needs --dgc or --overlap-backward-and-step"),
         (["--compress-ratio", "0.01"], "--compress-ratio needs --dgc"),
         (["--dgc", "--fuse-optimizer"], "cannot be combined"),

@@ -163,3 +163,22 @@ def test_slow_rank_is_reported_on_rank_0():
     assert all(int(p) > 100 and "CPU" in where for _, where, p in found)
     # the slow rank tells its own host too
     assert re.search(r"\[aiak rank 2\] perf check, steps \d+\.\.\d+: rank 2 ", out.stdout)
+
+
+def test_overlap_flag_with_dgc_steps_as_dgc_alone(tmp_path):
+    # the overlap steps DGCSGD bucket by bucket with DGC's own exchanged gradient: the same
+    # parameters as --dgc with the script's step()
+    cmd = [sys.executable, str(PLAIN), "--steps", "8", "--sgd", "0.9", "--save"]
+    argv = [*AIAKRUN, "-np", "2", "--gloo", "--dgc", "--compress-ratio", "0.01"]
+    alone = run([*argv, "--", *cmd, str(tmp_path / "a.pt")], clean_env())
+    assert alone.returncode == 0, alone.stdout[-4000:]
+    over = run(
+        [*argv, "--overlap-backward-and-step", "--", *cmd, str(tmp_path / "b.pt")], clean_env()
+    )
+    assert over.returncode == 0, over.stdout[-4000:]
+    assert "comm: DGCSGD steps during backward, bucket by bucket" in over.stdout
+    a, b = torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt")
+    assert (a["optimizer"], b["optimizer"]) == ("DGCSGD", "DGCSGD")
+    assert _distance(a["params"], _initial_params()) > 0.01  # it trained
+    for pa, pb in zip(a["params"], b["params"]):
+        torch.testing.assert_close(pb, pa, rtol=1e-5, atol=1e-6)
