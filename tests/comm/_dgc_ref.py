@@ -1,9 +1,7 @@
-"""DGC's selection algorithms in float64 numpy, written from their definitions (docs/dgc.md), for
+"""DGC's selection algorithm in float64 numpy, written from its definition (docs/dgc.md), for
 the tests of ``aiak::dgc_select`` and of the DGC hook. Not collected by pytest."""
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 
@@ -73,64 +71,3 @@ def select_f64(
     values[: idx.size] = flat[idx]
     indices[: idx.size] = idx
     return values, indices
-
-
-def plan_f64(n: int, ratio: float, sample_ratio: float) -> tuple[int, int, int, int]:
-    """(k, num_samples, k_s, stride) by DGC's reference rules, written from docs/dgc.md."""
-    sr = min(max(sample_ratio, 0.01), 1.0)
-    k = min(n, max(1, math.ceil(n * ratio)))
-    cpr = math.ceil(2 / ratio)
-    if sr >= 1.0 or n <= cpr:
-        stride, m = 1, n
-    else:
-        want = max(math.ceil(n * sr), cpr)
-        stride = math.ceil(n / want / 32) * 32 + 1
-        while n // stride < want:
-            stride -= 8
-        m = n // stride
-    return k, m, min(m, max(1, math.ceil(m * ratio))), stride
-
-
-def sparsify_f64(
-    x: np.ndarray,
-    ratio: float,
-    sample_ratio: float,
-    samples_at: np.ndarray,
-    upper: float,
-    lower: float,
-    iters: int,
-    resample: bool,
-) -> np.ndarray:
-    """Indices (ascending, padded with -1 to k) the DGC hook selects from one tensor ``x``:
-    ``samples_at`` are the sampled positions. The threshold is an fp32 number multiplied in
-    fp32 at every adaptation step; no adaptation when the whole tensor is sampled."""
-    flat = np.asarray(x, dtype=np.float32).reshape(-1)
-    imp = np.abs(flat)
-    n = imp.size
-    k, m, ks, _ = plan_f64(n, ratio, sample_ratio)
-    samples = imp[samples_at]
-    assert samples.size == m
-    thr = np.float32(np.sort(samples)[::-1][ks - 1])
-    up, low = np.float32(upper), np.float32(lower)
-    count = int((imp >= thr).sum())
-    exact = False
-    if m < n:
-        for _ in range(iters):
-            if count > upper * k:
-                if resample:
-                    exact = True
-                    break
-                thr = np.float32(thr * up)
-            elif count < lower * k:
-                thr = np.float32(thr * low)
-            else:
-                break
-            count = int((imp >= thr).sum())
-    if exact:
-        order = np.lexsort((np.arange(n), -imp.astype(np.float64)))
-        idx = np.sort(order[:k])
-    else:
-        idx = np.nonzero(imp >= thr)[0][:k]
-    out = np.full(k, -1, dtype=np.int64)
-    out[: idx.size] = idx
-    return out

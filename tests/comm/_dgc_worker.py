@@ -99,21 +99,6 @@ def check_sparse_selection(results: dict) -> None:
     }
 
 
-def check_fp16_values(results: dict) -> None:
-    """fp16_values halves the values sent and the dense allreduce of the dim <= 1 tensors."""
-    model = make_model()
-    ddp = DDP(model, bucket_cap_mb=CAP_MB)
-    hook = comm.dgc(compress_ratio=0.05, fp16_values=True)
-    comm.register(ddp, hook)
-    x, y = batches(1)[0]
-    nn.functional.mse_loss(ddp(x), y).backward()
-    results["bytes_fp16"] = hook.state.bytes_sent()
-    results["bytes_fp16_formula"] = {
-        "sparse_pairs": sum(math.ceil(p.numel() * 0.05) for p in model.parameters() if p.dim() > 1),
-        "dense_elems": sum(p.numel() for p in model.parameters() if p.dim() <= 1),
-    }
-
-
 def train(hook, data, opt_fn, model=None, state=None, start=0, overlap=False, rebuild=False):
     model = make_model() if model is None else model
     ddp = DDP(model, bucket_cap_mb=CAP_MB)
@@ -346,7 +331,6 @@ def main() -> None:
     try:
         for check in (
             check_sparse_selection,
-            check_fp16_values,
             check_dense_equivalence,
             check_overlap,
             check_errors,
