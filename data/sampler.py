@@ -40,6 +40,7 @@ __all__ = ["BalancedDistributedSampler", "PadCollate", "pad_collate"]
 
 _OP = "BalancedDistributedSampler"
 _INT64 = 2**63
+_MAX_REPLICAS = 2**20
 
 
 def _lengths(value: Any) -> torch.Tensor:
@@ -102,7 +103,8 @@ class BalancedDistributedSampler:
         group_steps: int = 64,
     ) -> None:
         lengths = _lengths(lengths)
-        check_int("num_replicas", num_replicas, ge=1, op=_OP)
+        # every step holds a batch per rank: the plan is O(num_replicas) per step
+        check_int("num_replicas", num_replicas, ge=1, le=_MAX_REPLICAS, op=_OP)
         check_int("rank", rank, ge=0, op=_OP)
         if rank >= num_replicas:
             raise ValueError(f"{_OP}: rank must be < num_replicas ({num_replicas}), got {rank}")
@@ -224,12 +226,15 @@ class PadCollate:
         self, padding_value: float | dict[Any, float] = 0, pad_to_multiple_of: int = 1
     ) -> None:
         op = "PadCollate"
-        self.pad_to_multiple_of = check_int("pad_to_multiple_of", pad_to_multiple_of, ge=1, op=op)
+        # a padded length is rounded up to it: beyond 2^16 the padding is the batch
+        self.pad_to_multiple_of = check_int(
+            "pad_to_multiple_of", pad_to_multiple_of, ge=1, le=2**16, op=op
+        )
         if isinstance(padding_value, dict):
             for k, v in padding_value.items():
-                check_float(f"padding_value[{k!r}]", v, finite=False, op=op)
+                check_float(f"padding_value[{k!r}]", v, finite=False, allow_nan=True, op=op)
         else:
-            check_float("padding_value", padding_value, finite=False, op=op)
+            check_float("padding_value", padding_value, finite=False, allow_nan=True, op=op)
         self.padding_value = padding_value
 
     def _value(self, key: Any, dtype: torch.dtype) -> float:
@@ -242,7 +247,9 @@ class PadCollate:
         if dtype == torch.bool:
             ok = value in (0, 1)
         elif dtype.is_floating_point or dtype.is_complex:
-            ok = True
+            value = float(value)  # checked convertible when built
+            real = torch.finfo(dtype).max
+            ok = not math.isfinite(value) or abs(value) <= real
         else:
             info = torch.iinfo(dtype)
             ok = math.isfinite(value) and value == int(value) and info.min <= value <= info.max
@@ -302,7 +309,7 @@ class PadCollate:
                     )
             try:
                 return torch.tensor(items), None
-            except (RuntimeError, OverflowError):
+            except (RuntimeError, OverflowError, TypeError, ValueError):
                 raise ValueError(
                     f"pad_collate: field {key!r} holds a number beyond int64: {items}"
                 ) from None

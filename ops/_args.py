@@ -106,11 +106,13 @@ def check_float(
     lt: float | None = None,
     le: float | None = None,
     finite: bool = True,
+    allow_nan: bool = False,
     op: str | None = None,
 ) -> float:
     """``value`` (an int or a float) as a ``float`` within the given bounds.
 
-    NaN is always refused; so are infinities unless ``finite=False``.
+    Infinities are refused unless ``finite=False``, NaN unless ``allow_nan=True`` (a NaN then
+    skips the bounds).
     """
     label = _label(name, op)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -119,9 +121,11 @@ def check_float(
         out = float(value)
     except OverflowError:
         raise ValueError(f"{label} is too large for a float, got {value!r}") from None
-    if finite and not math.isfinite(out):
+    if finite and (math.isinf(out) or (math.isnan(out) and not allow_nan)):
         raise ValueError(f"{label} must be finite, got {out}")
     if math.isnan(out):
+        if allow_nan:
+            return out
         raise ValueError(f"{label} must not be NaN")
     _bounds(label, out, gt, ge, lt, le)
     return out
