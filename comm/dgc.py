@@ -28,7 +28,7 @@ import torch
 
 from . import _collectives, _futures, _streams
 from ._base import CommHook, HookState, Setup
-from ._clip import check_clip
+from ._checks import check_dgc_options
 from ._collectives import Link
 from ._dgc_sgd import DGCSGD, require_sgd
 
@@ -46,9 +46,6 @@ def _selector() -> Any:
 
 
 __all__ = ["DGCSGD", "DGCState", "check_dgc_optimizer", "dgc", "link_dgc_optimizer"]
-
-# the keys _clip reads: (required, optional) per built-in rule
-_DGC_CLIP_KEYS = {"norm": ({"max_norm"}, {"norm_type"}), "value": ({"clip_value"}, set())}
 
 
 class DGCState(HookState):
@@ -271,7 +268,7 @@ def dgc(
     clip_grad_func: str | Callable[..., Any] | None = None,
     clip_grad_func_params: Mapping[str, Any] | None = None,
 ) -> CommHook:
-    """Deep Gradient Compression (the seed's parameters and defaults; see the module docstring).
+    """Deep Gradient Compression (see the module docstring).
 
     ``warmup_epochs`` > 0: during epoch ``e < warmup_epochs`` (``hook.state.set_epoch(e)``) the
     ratio is ``warmup_coeff[e]`` (a list) or ``max(coeff**(e+1), compress_ratio)`` with
@@ -281,66 +278,8 @@ def dgc(
     ``f(flat_grad, **params)`` clipping in place; applied per tensor before momentum.
     Use it with :class:`DGCSGD` (momentum lives here; the optimizer's only on weight decay).
     """
-    from aiak.ops._args import (  # lazily: `import aiak.comm` stays lean
-        check_bool,
-        check_float,
-        check_int,
-    )
-
-    op = "dgc"
-    compress_ratio = check_float("compress_ratio", compress_ratio, gt=0, le=1, op=op)
-    sample_ratio = check_float("sample_ratio", sample_ratio, gt=0, le=1, op=op)
-    compress_upper_bound = check_float("compress_upper_bound", compress_upper_bound, gt=1, op=op)
-    compress_lower_bound = check_float(
-        "compress_lower_bound", compress_lower_bound, gt=0, lt=1, op=op
-    )
-    max_adaptation_iters = check_int(
-        "max_adaptation_iters", max_adaptation_iters, ge=0, le=20, op=op
-    )
-    warmup_epochs = check_int("warmup_epochs", warmup_epochs, ge=-1, op=op)  # -1, 0: none
-    if isinstance(warmup_coeff, (list, tuple)):
-        warmup_coeff = [
-            check_float(f"warmup_coeff[{i}]", c, gt=0, le=1, op=op)
-            for i, c in enumerate(warmup_coeff)
-        ]
-        if len(warmup_coeff) < warmup_epochs:
-            raise ValueError(
-                f"dgc: warmup_coeff as a list needs {warmup_epochs} ratios in (0, 1], got "
-                f"{warmup_coeff}"
-            )
-    elif warmup_coeff is not None:
-        warmup_coeff = check_float("warmup_coeff", warmup_coeff, gt=0, le=1, op=op)
-    momentum = check_float("momentum", momentum, ge=0, lt=1, op=op)
-    flags = {
-        name: check_bool(name, value, op=op)
-        for name, value in (
-            ("strided_sample", strided_sample),
-            ("resample", resample),
-            ("fp16_values", fp16_values),
-            ("int32_indices", int32_indices),
-            ("nesterov", nesterov),
-            ("momentum_masking", momentum_masking),
-        )
-    }
-    if clip_grad_func not in (None, "norm", "value") and not callable(clip_grad_func):
-        raise ValueError(
-            f"dgc: clip_grad_func must be 'norm', 'value', a callable or None, got "
-            f"{clip_grad_func!r}"
-        )
-    params = check_clip("dgc", clip_grad_func, clip_grad_func_params, _DGC_CLIP_KEYS)
-    state = DGCState(
-        compress_ratio=compress_ratio,
-        sample_ratio=sample_ratio,
-        compress_upper_bound=compress_upper_bound,
-        compress_lower_bound=compress_lower_bound,
-        max_adaptation_iters=max_adaptation_iters,
-        warmup_epochs=warmup_epochs,
-        warmup_coeff=warmup_coeff,
-        momentum=momentum,
-        clip_grad_func=clip_grad_func,
-        clip_grad_func_params=params,
-        **flags,
-    )
+    # every argument, checked and normalised; locals() holds exactly the arguments here
+    state = DGCState(**check_dgc_options(**locals()))
     return _DGC(state)
 
 

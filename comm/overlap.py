@@ -42,7 +42,7 @@ import torch
 
 from . import _buckets, _futures
 from ._base import CommHook, HookState, Wrapper, check_hook
-from ._clip import check_clip
+from ._checks import check_clip
 from ._collectives import Link
 from .dgc import check_dgc_optimizer
 

@@ -32,7 +32,7 @@ def _resolve_device(device: torch.device | str | int | None) -> torch.device:
         raise TypeError(f"device must be a torch.device, str, int or None, got {device!r}")
     try:
         dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-    except RuntimeError as e:
+    except (RuntimeError, ValueError, OverflowError) as e:
         raise ValueError(f"device {device!r} is not a device: {e}") from None
     if dev.type == "cpu":
         return dev
