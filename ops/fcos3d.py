@@ -347,8 +347,8 @@ def fcos3d_targets(
         ("background_label", background_label),
         ("attr_background_label", attr_background_label),
     ):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise TypeError(f"fcos3d_targets: {name} must be an int, got {type(v).__name__}")
+        # written into int64 outputs
+        check_int(name, v, ge=-(2**63), lt=2**63, op="fcos3d_targets")
     _check(*tensors, radius=center_sample_radius, alpha=centerness_alpha)
     return FCOS3DTargets(
         *FCOS3D_OP(

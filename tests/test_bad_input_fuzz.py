@@ -36,7 +36,7 @@ from aiak.data import (
 from aiak.ops._args import check_bool, check_float, check_int, check_tensor
 from aiak.ops.fcos3d import fcos3d_targets, point_meta
 from aiak.ops.simota import simota_assign
-from aiak.ops.window_attention import window_attention, window_merge_roll
+from aiak.ops.window_attention import roll_window_partition, window_attention, window_merge_roll
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -700,6 +700,22 @@ FACTORIES: dict[str, tuple[Callable[[Any], Any], str | tuple[str, ...]]] = {
         lambda v: window_attention(*[torch.ones(2, 1, 4, 8)] * 3, v),
         "bias",
     ),
+    "roll_window_partition.window": (
+        lambda v: roll_window_partition(torch.zeros(1, 4, 4, 3), v, 0),
+        ("window", "H = 4"),
+    ),
+    "roll_window_partition.shift": (
+        lambda v: roll_window_partition(torch.zeros(1, 4, 4, 3), 2, v),
+        "shift",
+    ),
+    "window_merge_roll.shift": (
+        lambda v: window_merge_roll(torch.zeros(4, 4, 3), 4, 4, v),
+        "shift",
+    ),
+    "window_merge_roll.H": (
+        lambda v: window_merge_roll(torch.zeros(4, 4, 3), v, 4),
+        ("H", "windows"),
+    ),
     # a huge W passes its own check and then does not fit the windows given
     "window_merge_roll.W": (
         lambda v: window_merge_roll(torch.zeros(4, 4, 3), 4, v),
@@ -776,3 +792,55 @@ def test_simota_tensors_mismatched(
     inputs[name] = garbage if use_garbage else _reshaped(inputs[name], how).to(dtype)
     # a mismatch is named by the argument that disagrees with the ones checked before it
     works_or_names(lambda: simota_assign(**inputs), *SIMOTA_TENSORS)
+
+
+def _fcos3d_inputs(P: int = 6, B: int = 2, G: int = 3) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    strides, ranges = point_meta([4, P - 4], [8, 16], [(-1, 64), (64, 1e8)])
+    xy = torch.rand(B, G, 2, generator=g) * 32
+    return {
+        "points": torch.rand(P, 2, generator=g) * 32,
+        "point_strides": strides,
+        "regress_ranges": ranges,
+        "gt_bboxes": torch.cat([xy - 4, xy + 4], -1),
+        "gt_labels": torch.zeros(B, G, dtype=torch.int64),
+        "gt_bboxes_3d": torch.rand(B, G, 7, generator=g),
+        "gt_labels_3d": torch.zeros(B, G, dtype=torch.int64),
+        "centers2d": xy,
+        "depths": torch.rand(B, G, generator=g),
+        "attr_labels": torch.zeros(B, G, dtype=torch.int64),
+        "gt_valid": torch.ones(B, G, dtype=torch.bool),
+    }
+
+
+FCOS3D_TENSORS = tuple(_fcos3d_inputs())
+
+
+@pytest.mark.parametrize("name", FCOS3D_TENSORS)
+@settings(max_examples=15, deadline=None)
+@given(change=TENSOR_CHANGES, garbage=GARBAGE, use_garbage=st.booleans())
+def test_fcos3d_tensors_mismatched(
+    name: str, change: tuple, garbage: Any, use_garbage: bool
+) -> None:
+    inputs = _fcos3d_inputs()
+    how, dtype = change
+    inputs[name] = garbage if use_garbage else _reshaped(inputs[name], how).to(dtype)
+    labels = {"background_label": 3, "attr_background_label": 2}
+    # a mismatch is named by the argument that disagrees with the ones checked before it
+    works_or_names(lambda: fcos3d_targets(**inputs, **labels), *FCOS3D_TENSORS)
+
+
+FCOS3D_SCALARS = (
+    "background_label",
+    "attr_background_label",
+    "center_sample_radius",
+    "centerness_alpha",
+)
+
+
+@pytest.mark.parametrize("name", FCOS3D_SCALARS)
+@settings(max_examples=20, deadline=None)
+@given(value=GARBAGE)
+def test_fcos3d_options_with_garbage(name: str, value: Any) -> None:
+    kwargs: dict[str, Any] = {"background_label": 3, "attr_background_label": 2, name: value}
+    works_or_names(lambda: fcos3d_targets(**_fcos3d_inputs(), **kwargs), name)
