@@ -113,7 +113,7 @@ class BalancedDistributedSampler:
         if batch_size is not None:
             batch_size = check_int("batch_size", batch_size, ge=1, op=_OP)
         if max_tokens is not None:
-            max_tokens = check_int("max_tokens", max_tokens, ge=1, op=_OP)
+            max_tokens = check_int("max_tokens", max_tokens, ge=1, lt=_INT64, op=_OP)
             longest = int(lengths.max())
             if longest > max_tokens:
                 i = int(lengths.argmax())

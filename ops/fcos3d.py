@@ -27,6 +27,7 @@ launcher, the op declaration, the public functions.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -115,7 +116,7 @@ def _check(*tensors: torch.Tensor, radius: float, alpha: float) -> tuple[int, in
     for name, v in (("center_sample_radius", radius), ("centerness_alpha", alpha)):
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise TypeError(f"{op}: {name} must be a number, got {type(v).__name__}")
-    if not 0 < radius < float("inf"):
+    if not 0 < radius <= sys.float_info.max:  # NaN, inf and ints beyond a float fail
         raise ValueError(f"{op}: center_sample_radius must be positive and finite, got {radius}")
     # NaN would make every centerness NaN; a negative alpha, centerness above 1
     check_float("centerness_alpha", alpha, ge=0, op=op)

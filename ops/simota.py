@@ -41,6 +41,7 @@ dispatch (its launcher is ops/_simota_cuda.py), the op declaration, the public f
 
 from __future__ import annotations
 
+import sys
 from typing import Any, NamedTuple
 
 import torch
@@ -53,6 +54,7 @@ __all__ = ["SimOTAAssignment", "simota_assign"]
 
 SIMOTA = declare(Capability("simota_assign"))
 _TOPK = 10
+_FLOAT_MAX = sys.float_info.max
 _FORMATS = ("cxcywh", "xyxy")
 _INT_DTYPES = (torch.int64, torch.int32)
 
@@ -138,7 +140,7 @@ def _check(
             raise ValueError(f"{op}: {name} is on {t.device} but gt_boxes is on {device}")
     if isinstance(center_radius, bool) or not isinstance(center_radius, (int, float)):
         raise TypeError(f"{op}: center_radius must be a number, got {type(center_radius).__name__}")
-    if not 0 < center_radius < float("inf"):
+    if not 0 < center_radius <= _FLOAT_MAX:  # NaN, inf and ints beyond a float fail
         raise ValueError(f"{op}: center_radius must be positive and finite, got {center_radius}")
     if box_format not in _FORMATS:
         raise ValueError(f"{op}: box_format must be one of {_FORMATS}, got {box_format!r}")

@@ -46,7 +46,9 @@ GARBAGE = st.one_of(
     st.booleans(),
     st.integers(min_value=-(2**70), max_value=2**70),
     st.floats(allow_nan=True, allow_infinity=True),
-    st.sampled_from([0, -1, 10**9, 2**64, -(2**63) - 1, float("nan"), float("inf"), 1e308]),
+    st.sampled_from(
+        [0, -1, 10**9, 2**64, -(2**63) - 1, 10**400, float("nan"), float("inf"), 1e308]
+    ),
     st.text(max_size=6),
     st.sampled_from(["no", "yes", "1", "inf", ""]),
     st.just([]),
