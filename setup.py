@@ -6,9 +6,21 @@ other launchers start. Editable installs do not get it (see docs/launch.md).
 """
 
 import os
+import warnings
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
+
+try:  # setuptools >= 69
+    from setuptools.warnings import InformationOnly
+except ImportError:  # pragma: no cover - older setuptools emits no such notice
+    InformationOnly = None
+
+# An editable install of a package-dir layout always gets setuptools' "Editable installation."
+# notice, information that setuptools sends as a warning (pypa/packaging-problems#558); pip
+# then prints it as a build warning. It says nothing about this project: keep it out.
+if InformationOnly is not None:
+    warnings.filterwarnings("ignore", "Editable installation", InformationOnly)
 
 PTH = "aiak-auto.pth"
 

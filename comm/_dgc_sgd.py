@@ -12,6 +12,16 @@ import torch
 __all__ = ["DGCSGD"]
 
 
+def _check_group(group: dict[str, Any], op: str) -> None:
+    from aiak.ops._args import check_bool, check_float  # lazily: `import aiak.comm` stays lean
+
+    # lr or weight_decay inf (or NaN) turns every parameter to +-inf or NaN in one step
+    check_float("lr", group["lr"], ge=0, op=op)
+    check_float("momentum", group["momentum"], ge=0, lt=1, op=op)
+    check_float("weight_decay", group["weight_decay"], ge=0, op=op)
+    check_bool("nesterov", group["nesterov"], op=op)
+
+
 class DGCSGD(torch.optim.Optimizer):
     """SGD whose momentum applies only to the weight-decay term (gradient momentum is in DGC).
 
@@ -29,14 +39,15 @@ class DGCSGD(torch.optim.Optimizer):
         weight_decay: float = 0.0,
         nesterov: bool = False,
     ) -> None:
-        if not lr >= 0:
-            raise ValueError(f"DGCSGD: lr must be >= 0, got {lr}")
-        if not 0 <= momentum < 1:
-            raise ValueError(f"DGCSGD: momentum must be in [0, 1), got {momentum}")
-        if not weight_decay >= 0:
-            raise ValueError(f"DGCSGD: weight_decay must be >= 0, got {weight_decay}")
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
+        _check_group(defaults, "DGCSGD")
         super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's ``add_param_group``, with the group's own settings checked first."""
+        if isinstance(param_group, dict):
+            _check_group({**self.defaults, **param_group}, "DGCSGD: param group")
+        super().add_param_group(param_group)
 
     @classmethod
     def from_optimizer(cls, optimizer: torch.optim.Optimizer) -> DGCSGD:

@@ -28,6 +28,7 @@ import torch
 
 from . import _collectives, _futures, _streams
 from ._base import CommHook, HookState, Setup
+from ._checks import check_dgc_options
 from ._collectives import Link
 from ._dgc_sgd import DGCSGD, require_sgd
 
@@ -267,7 +268,7 @@ def dgc(
     clip_grad_func: str | Callable[..., Any] | None = None,
     clip_grad_func_params: Mapping[str, Any] | None = None,
 ) -> CommHook:
-    """Deep Gradient Compression (the seed's parameters and defaults; see the module docstring).
+    """Deep Gradient Compression (see the module docstring).
 
     ``warmup_epochs`` > 0: during epoch ``e < warmup_epochs`` (``hook.state.set_epoch(e)``) the
     ratio is ``warmup_coeff[e]`` (a list) or ``max(coeff**(e+1), compress_ratio)`` with
@@ -277,60 +278,8 @@ def dgc(
     ``f(flat_grad, **params)`` clipping in place; applied per tensor before momentum.
     Use it with :class:`DGCSGD` (momentum lives here; the optimizer's only on weight decay).
     """
-    for name, v in (("compress_ratio", compress_ratio), ("sample_ratio", sample_ratio)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
-            raise ValueError(f"dgc: {name} must be a number in (0, 1], got {v!r}")
-    if not compress_upper_bound > 1:
-        raise ValueError(f"dgc: compress_upper_bound must be > 1, got {compress_upper_bound}")
-    if not 0 < compress_lower_bound < 1:
-        raise ValueError(f"dgc: compress_lower_bound must be in (0, 1), got {compress_lower_bound}")
-    if isinstance(max_adaptation_iters, bool) or not isinstance(max_adaptation_iters, int):
-        raise TypeError("dgc: max_adaptation_iters must be an int")
-    if not 0 <= max_adaptation_iters <= 20:
-        raise ValueError(f"dgc: max_adaptation_iters must be in 0..20, got {max_adaptation_iters}")
-    if isinstance(warmup_epochs, bool) or not isinstance(warmup_epochs, int):
-        raise TypeError("dgc: warmup_epochs must be an int (-1: no warm-up)")
-    if isinstance(warmup_coeff, (list, tuple)):
-        if len(warmup_coeff) < warmup_epochs or not all(0 < c <= 1 for c in warmup_coeff):
-            raise ValueError(
-                f"dgc: warmup_coeff as a list needs {warmup_epochs} ratios in (0, 1], got "
-                f"{list(warmup_coeff)}"
-            )
-        warmup_coeff = [float(c) for c in warmup_coeff]
-    elif warmup_coeff is not None and not 0 < warmup_coeff <= 1:
-        raise ValueError(f"dgc: warmup_coeff must be in (0, 1], a list, or None: {warmup_coeff}")
-    if not 0 <= momentum < 1:
-        raise ValueError(f"dgc: momentum must be in [0, 1), got {momentum}")
-    if clip_grad_func not in (None, "norm", "value") and not callable(clip_grad_func):
-        raise ValueError(
-            f"dgc: clip_grad_func must be 'norm', 'value', a callable or None, got "
-            f"{clip_grad_func!r}"
-        )
-    params = dict(clip_grad_func_params or {})
-    if clip_grad_func == "norm" and not float(params.get("max_norm", -1)) > 0:
-        raise ValueError("dgc: clip_grad_func='norm' needs clip_grad_func_params['max_norm'] > 0")
-    if clip_grad_func == "value" and not float(params.get("clip_value", -1)) > 0:
-        raise ValueError(
-            "dgc: clip_grad_func='value' needs clip_grad_func_params['clip_value'] > 0"
-        )
-    state = DGCState(
-        compress_ratio=float(compress_ratio),
-        sample_ratio=float(sample_ratio),
-        strided_sample=bool(strided_sample),
-        compress_upper_bound=float(compress_upper_bound),
-        compress_lower_bound=float(compress_lower_bound),
-        max_adaptation_iters=max_adaptation_iters,
-        resample=bool(resample),
-        fp16_values=bool(fp16_values),
-        int32_indices=bool(int32_indices),
-        warmup_epochs=warmup_epochs,
-        warmup_coeff=warmup_coeff,
-        momentum=float(momentum),
-        nesterov=bool(nesterov),
-        momentum_masking=bool(momentum_masking),
-        clip_grad_func=clip_grad_func,
-        clip_grad_func_params=params,
-    )
+    # every argument, checked and normalised; locals() holds exactly the arguments here
+    state = DGCState(**check_dgc_options(**locals()))
     return _DGC(state)
 
 

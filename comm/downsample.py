@@ -22,6 +22,8 @@ from .allreduce import allreduce
 
 __all__ = ["DownsampleState", "downsample"]
 
+MAX_N = 1024
+
 
 class DownsampleState(HookState):
     __slots__ = ("inner", "memory", "momentum", "n")
@@ -82,15 +84,14 @@ class _Downsample(Wrapper):
 
 def downsample(inner: CommHook | None = None, n: int = 2, momentum: float = 1.0) -> CommHook:
     """Send a rotating ``1/n`` of every bucket through ``inner`` (default: allreduce); the
-    rest stays in a local memory with gradient ``momentum`` (see the module docstring)."""
+    rest stays in a local memory with gradient ``momentum`` (see the module docstring).
+    ``n``: an int in ``[1, MAX_N]`` (1024); ``momentum``: in ``(0, 1]``."""
+    from aiak.ops._args import check_float, check_int  # lazily: `import aiak.comm` stays lean
+
     inner = allreduce() if inner is None else inner
     check_hook("downsample", "inner", inner)
-    if isinstance(n, bool) or not isinstance(n, int):
-        raise TypeError(f"downsample: n must be an int, got {type(n).__name__}")
-    if n < 1:
-        raise ValueError(f"downsample: n must be >= 1, got {n}")
-    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)):
-        raise TypeError(f"downsample: momentum must be a number, got {type(momentum).__name__}")
-    if not 0 < momentum <= 1:
-        raise ValueError(f"downsample: momentum must be in (0, 1], got {momentum}")
-    return _Downsample(DownsampleState(n, float(momentum), inner.state), inner)
+    # An element travels once every n steps and a bucket shorter than n sends nothing on most
+    # steps: beyond MAX_N the gradients would mostly wait, not train.
+    n = check_int("n", n, ge=1, le=MAX_N, op="downsample")
+    momentum = check_float("momentum", momentum, gt=0, le=1, op="downsample")
+    return _Downsample(DownsampleState(n, momentum, inner.state), inner)

@@ -21,6 +21,11 @@ import socket
 from collections.abc import Callable, Mapping
 from typing import Any
 
+
+def _in_downsample_range(v: int) -> bool:
+    return 1 <= v <= 1024
+
+
 __all__ = [
     "EnvConfig",
     "bucket_cap_mb",
@@ -141,8 +146,8 @@ def parse_env(environ: Mapping[str, str] | None = None) -> EnvConfig:
         ),
         log_steps=n(env, "AIAK_COMM_LOG_STEPS", int, 0, lambda v: v >= 0, "an integer >= 0"),
         coalesce=n(env, "AIAK_COALESCE_BUCKETS", int, 1, lambda v: v >= 1, "an integer >= 1"),
-        downsample=n(
-            env, "PERSEUS_DOWNSAMPLE_N_ELEMENTS", int, 1, lambda v: v >= 1, "an integer >= 1"
+        downsample=n(  # the bound is aiak.comm.downsample's MAX_N
+            env, "PERSEUS_DOWNSAMPLE_N_ELEMENTS", int, 1, _in_downsample_range, "an int in 1..1024"
         ),
         momentum=n(
             env, "PERSEUS_GRADIENT_MOMENTUM", float, 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]"

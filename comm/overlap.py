@@ -42,6 +42,7 @@ import torch
 
 from . import _buckets, _futures
 from ._base import CommHook, HookState, Wrapper, check_hook
+from ._checks import check_clip
 from ._collectives import Link
 from .dgc import check_dgc_optimizer
 
@@ -171,6 +172,11 @@ class _Overlap(Wrapper):
         return _futures.after(fut, run, buf)
 
 
+# torch.nn.utils' clip_grad_norm_ / clip_grad_value_: the required parameter of each, the rest
+# checked against their signatures
+_CLIP_KEYS = {"norm": ({"max_norm"}, {"norm_type"}), "value": ({"clip_value"}, set())}
+
+
 def overlap_step(
     ddp_model: torch.nn.parallel.DistributedDataParallel,
     optimizer: torch.optim.Optimizer,
@@ -216,12 +222,22 @@ def overlap_step(
         hook = allreduce()
     check_hook("overlap_step", "hook", hook)
     check_dgc_optimizer(hook, optimizer)
-    if clip_grad_func == "norm":
-        clip_grad_func = torch.nn.utils.clip_grad_norm_
-    elif clip_grad_func == "value":
-        clip_grad_func = torch.nn.utils.clip_grad_value_
-    elif clip_grad_func is not None and not callable(clip_grad_func):
+    if offload is not None and not isinstance(offload, bool):
+        raise TypeError(f"overlap_step: offload must be a bool or None, got {offload!r}")
+    named = {"norm": torch.nn.utils.clip_grad_norm_, "value": torch.nn.utils.clip_grad_value_}
+    if isinstance(clip_grad_func, str) and clip_grad_func not in named:
+        raise ValueError(
+            f"overlap_step: clip_grad_func must be 'norm', 'value', a callable or None, got "
+            f"{clip_grad_func!r}"
+        )
+    if not (clip_grad_func is None or isinstance(clip_grad_func, str) or callable(clip_grad_func)):
         raise TypeError(f"overlap_step: clip_grad_func must be callable, got {clip_grad_func!r}")
+    target = named.get(clip_grad_func) if isinstance(clip_grad_func, str) else None
+    clip_grad_func_params = check_clip(
+        "overlap_step", clip_grad_func, clip_grad_func_params, _CLIP_KEYS, target
+    )
+    if target is not None:
+        clip_grad_func = target
     module_params = {id(p) for p in ddp_model.module.parameters() if p.requires_grad}
     opt_params = {id(p) for g in optimizer.param_groups for p in g["params"]}
     if module_params != opt_params:
@@ -230,9 +246,7 @@ def overlap_step(
             f"parameters ({len(opt_params)} vs {len(module_params)})"
         )
     wrapped = _Overlap(OverlapState(hook.state), hook)
-    stepper = OverlapStep(optimizer, wrapped, clip_grad_func, clip_grad_func_params or {})
+    stepper = OverlapStep(optimizer, wrapped, clip_grad_func, clip_grad_func_params)
     wrapped.state._stepper = stepper
-    if offload is not None and not isinstance(offload, bool):
-        raise TypeError(f"overlap_step: offload must be a bool or None, got {offload!r}")
     register(ddp_model, wrapped, offload=offload)
     return stepper

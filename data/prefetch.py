@@ -8,12 +8,15 @@ stream while step i computes; the compute stream waits on an event, never the ho
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+
+from aiak.ops._args import check_int
 
 from ._tree import iter_tensors, map_tensors
 
@@ -29,7 +32,7 @@ def _resolve_device(device: torch.device | str | int | None) -> torch.device:
         raise TypeError(f"device must be a torch.device, str, int or None, got {device!r}")
     try:
         dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-    except RuntimeError as e:
+    except (RuntimeError, ValueError, OverflowError) as e:
         raise ValueError(f"device {device!r} is not a device: {e}") from None
     if dev.type == "cpu":
         return dev
@@ -77,16 +80,15 @@ class CudaPrefetcher:
             raise TypeError(f"loader must be iterable, got {type(loader).__name__}")
         if transform is not None and not callable(transform):
             raise TypeError(f"transform must be callable or None, got {transform!r}")
-        if isinstance(depth, bool) or not isinstance(depth, int):
-            raise TypeError(f"depth must be an int, got {depth!r}")
-        if depth < 1:
-            raise ValueError(f"depth must be >= 1, got {depth}")
+        self.depth = check_int("depth", depth, ge=1, op="CudaPrefetcher")
         self.loader = loader
         self.device = _resolve_device(device)
         self.transform = transform
-        self.depth = depth
         self._stream: torch.cuda.Stream | None = None
         self._warned_pin = False
+        # An iterator (a generator) is one pass: a second iter() would yield nothing.
+        self._one_shot = isinstance(loader, Iterator)
+        self._passes = 0
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
@@ -103,12 +105,30 @@ class CudaPrefetcher:
             self._stream = torch.cuda.Stream(self.device)
         return self._prefetch(self._stream)
 
+    def _source(self) -> Iterator[Any]:
+        """The loader's batches; for an iterator loader, an error where a later pass finds it
+        spent instead of an epoch without batches."""
+        it = iter(self.loader)
+        later = self._one_shot and self._passes > 0
+        self._passes += 1
+        if not later:
+            return it
+        try:
+            first = next(it)
+        except StopIteration:
+            raise TypeError(
+                "CudaPrefetcher: loader is an iterator (e.g. a generator) that an earlier pass "
+                "consumed; pass a re-iterable loader (a DataLoader, a list, or an object whose "
+                "__iter__ returns a new iterator) to run several epochs"
+            ) from None
+        return itertools.chain((first,), it)
+
     def _passthrough(self) -> Iterator[Any]:
-        for batch in self.loader:
+        for batch in self._source():
             yield batch if self.transform is None else self.transform(batch)
 
     def _prefetch(self, stream: torch.cuda.Stream) -> Iterator[Any]:
-        it = iter(self.loader)
+        it = self._source()
         ready: deque[tuple[torch.cuda.Event, Any, Any]] = deque()
         failure: BaseException | None = None
 

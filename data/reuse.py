@@ -20,6 +20,7 @@ import contextlib
 import itertools
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import random
 import traceback
@@ -27,11 +28,14 @@ import weakref
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
 import torch.multiprocessing  # registers the reductions that share tensors through queues
 from torch.utils.data import DataLoader, IterableDataset
+
+from aiak.ops._args import check_float, check_int
 
 __all__ = ["CrossEpochLoader"]
 
@@ -43,7 +47,13 @@ class _RemoteError:
     """An exception raised in a worker, carried back with its formatted traceback."""
 
     def __init__(self, exc: BaseException, worker_id: int) -> None:
-        self.exc_type = type(exc)
+        # The type travels by reference: a class the parent cannot import (one defined inside
+        # a function) would make this message unpicklable too, so it becomes a RuntimeError.
+        self.exc_type: type[BaseException] = type(exc)
+        try:
+            pickle.loads(pickle.dumps(self.exc_type))
+        except Exception:
+            self.exc_type = RuntimeError
         self.text = (
             f"Caught {type(exc).__name__} in CrossEpochLoader worker {worker_id}.\n"
             f"Original {traceback.format_exc()}"
@@ -98,9 +108,13 @@ def _worker_loop(
         key, indices = task
         try:
             if auto_collation:
-                out: Any = collate_fn([dataset[i] for i in indices])
+                batch: Any = collate_fn([dataset[i] for i in indices])
             else:
-                out = collate_fn(dataset[indices])
+                batch = collate_fn(dataset[indices])
+            # Pickled here, not by the queue's feeder thread: a batch the feeder cannot pickle
+            # is printed to stderr and dropped, and the loop would wait for it forever.
+            out: Any = bytes(ForkingPickler.dumps(batch))
+            del batch
         except Exception as e:
             out = _RemoteError(e, worker_id)
         results.put((key, out))
@@ -179,14 +193,11 @@ class CrossEpochLoader:
             raise ValueError("loader.num_workers must be >= 1 (the workers are what is reused)")
         if prefetch is None:
             prefetch = loader.num_workers * (loader.prefetch_factor or 2)
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
-            raise ValueError(f"prefetch must be an int >= 1, got {prefetch!r}")
-        if timeout < 0:
-            raise ValueError(f"timeout must be >= 0, got {timeout}")
+        op = "CrossEpochLoader"
         self.loader = loader
-        self.prefetch = prefetch
-        self.timeout = float(timeout)
-        self._next_epoch = start_epoch
+        self.prefetch = check_int("prefetch", prefetch, ge=1, op=op)
+        self.timeout = check_float("timeout", timeout, ge=0, op=op)
+        self._next_epoch = check_int("start_epoch", start_epoch, ge=0, op=op)
         self._epochs: deque[_Epoch] = deque()  # [current (being consumed),] next (prefetching)
         self._current: _Epoch | None = None
         self._serials = itertools.count()
@@ -238,7 +249,7 @@ class CrossEpochLoader:
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next ``iter()`` runs; a prefetched plan for another epoch is dropped."""
-        self._next_epoch = int(epoch)
+        self._next_epoch = check_int("epoch", epoch, ge=0, op="CrossEpochLoader.set_epoch")
         last = self._epochs[-1] if self._epochs else None
         if last is not None and last is not self._current and last.number != self._next_epoch:
             self._epochs.pop()
@@ -321,6 +332,13 @@ class CrossEpochLoader:
             payload.reraise()
         self._in_flight -= 1
         serial, index = key
+        if isinstance(payload, bytes):
+            try:
+                payload = ForkingPickler.loads(payload)
+            except Exception as e:
+                raise RuntimeError(
+                    f"CrossEpochLoader: a batch from a worker could not be unpickled here: {e!r}"
+                ) from e
         for e in self._epochs:
             if e.serial == serial:
                 e.ready[index] = payload

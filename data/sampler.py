@@ -34,15 +34,41 @@ from typing import Any
 
 import torch
 
+from aiak.ops._args import check_bool, check_float, check_int, check_sequence
+
 __all__ = ["BalancedDistributedSampler", "PadCollate", "pad_collate"]
 
+_OP = "BalancedDistributedSampler"
+_INT64 = 2**63
+_MAX_REPLICAS = 2**20
 
-def _check_int(name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
-    return value
+
+def _lengths(value: Any) -> torch.Tensor:
+    """``lengths`` as a 1-D int64 tensor, or an error naming it and the first bad entry."""
+    if isinstance(value, torch.Tensor):
+        t = value.detach()
+    else:
+        items = check_sequence("lengths", value, op=_OP)
+        try:
+            t = torch.as_tensor(items)
+        except (TypeError, ValueError, RuntimeError, OverflowError):
+            for i, v in enumerate(items):
+                if isinstance(v, bool) or not isinstance(v, int):
+                    raise TypeError(
+                        f"{_OP}: lengths[{i}] must be an int, got {v!r} ({type(v).__name__})"
+                    ) from None
+                if not -(2**63) <= v < 2**63:
+                    raise ValueError(f"{_OP}: lengths[{i}]={v} is beyond int64") from None
+            raise TypeError(f"{_OP}: lengths must be a flat sequence of ints") from None
+    if t.dim() != 1 or t.numel() == 0:
+        raise ValueError(f"{_OP}: lengths must be a non-empty 1-D sequence, got {tuple(t.shape)}")
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise TypeError(f"{_OP}: lengths must be integers, got {t.dtype}")
+    t = t.to("cpu", torch.int64)
+    if int(t.min()) < 0:
+        i = int(t.argmin())
+        raise ValueError(f"{_OP}: lengths must be >= 0, got lengths[{i}]={int(t[i])}")
+    return t
 
 
 class BalancedDistributedSampler:
@@ -76,49 +102,40 @@ class BalancedDistributedSampler:
         drop_last: bool = False,
         group_steps: int = 64,
     ) -> None:
-        lengths = torch.as_tensor(lengths)
-        if lengths.dim() != 1 or lengths.numel() == 0:
-            raise ValueError(
-                f"lengths must be a non-empty 1-D sequence, got {tuple(lengths.shape)}"
-            )
-        if (
-            lengths.dtype.is_floating_point
-            or lengths.dtype.is_complex
-            or lengths.dtype == torch.bool
-        ):
-            raise TypeError(f"lengths must be integers, got {lengths.dtype}")
-        if int(lengths.min()) < 0:
-            raise ValueError("lengths must be >= 0")
-        _check_int("num_replicas", num_replicas, 1)
-        _check_int("rank", rank, 0)
+        lengths = _lengths(lengths)
+        # every step holds a batch per rank: the plan is O(num_replicas) per step
+        check_int("num_replicas", num_replicas, ge=1, le=_MAX_REPLICAS, op=_OP)
+        check_int("rank", rank, ge=0, op=_OP)
         if rank >= num_replicas:
-            raise ValueError(f"rank must be < num_replicas ({num_replicas}), got {rank}")
+            raise ValueError(f"{_OP}: rank must be < num_replicas ({num_replicas}), got {rank}")
         if (batch_size is None) == (max_tokens is None):
-            raise ValueError("give exactly one of batch_size and max_tokens")
+            raise ValueError(f"{_OP}: give exactly one of batch_size and max_tokens")
         if batch_size is not None:
-            _check_int("batch_size", batch_size, 1)
+            batch_size = check_int("batch_size", batch_size, ge=1, op=_OP)
         if max_tokens is not None:
-            _check_int("max_tokens", max_tokens, 1)
+            max_tokens = check_int("max_tokens", max_tokens, ge=1, lt=_INT64, op=_OP)
             longest = int(lengths.max())
             if longest > max_tokens:
                 i = int(lengths.argmax())
-                raise ValueError(f"max_tokens={max_tokens} < lengths[{i}]={longest}")
-        _check_int("seed", seed, -(2**63))
-        _check_int("group_steps", group_steps, 1)
-        self.lengths = lengths.to(torch.int64)
-        self.num_replicas = num_replicas
-        self.rank = rank
+                raise ValueError(f"{_OP}: max_tokens={max_tokens} < lengths[{i}]={longest}")
+        # the generator's seed is seed + epoch; torch takes seeds in [-2^63, 2^64)
+        seed = check_int("seed", seed, ge=-_INT64, lt=_INT64, op=_OP)
+        group_steps = check_int("group_steps", group_steps, ge=1, op=_OP)
+        self.lengths = lengths
+        self.num_replicas = int(num_replicas)
+        self.rank = int(rank)
         self.batch_size = batch_size
         self.max_tokens = max_tokens
-        self.shuffle = bool(shuffle)
+        self.shuffle = check_bool("shuffle", shuffle, op=_OP)
         self.seed = seed
-        self.drop_last = bool(drop_last)
+        self.drop_last = check_bool("drop_last", drop_last, op=_OP)
         self.group_steps = group_steps
         self.epoch = 0
         self._cache: tuple[int, list[list[list[int]]]] | None = None
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
+        """The epoch of the next plan (an int >= 0; ``seed + epoch`` seeds its permutations)."""
+        self.epoch = check_int("epoch", epoch, ge=0, lt=_INT64, op=f"{_OP}.set_epoch")
 
     def steps(self) -> list[list[list[int]]]:
         """This epoch's global plan: ``steps[s][r]`` is rank r's batch of step s."""
@@ -208,39 +225,101 @@ class PadCollate:
     def __init__(
         self, padding_value: float | dict[Any, float] = 0, pad_to_multiple_of: int = 1
     ) -> None:
-        _check_int("pad_to_multiple_of", pad_to_multiple_of, 1)
+        op = "PadCollate"
+        # a padded length is rounded up to it: beyond 2^16 the padding is the batch
+        self.pad_to_multiple_of = check_int(
+            "pad_to_multiple_of", pad_to_multiple_of, ge=1, le=2**16, op=op
+        )
+        if isinstance(padding_value, dict):
+            for k, v in padding_value.items():
+                check_float(f"padding_value[{k!r}]", v, finite=False, allow_nan=True, op=op)
+        else:
+            check_float("padding_value", padding_value, finite=False, allow_nan=True, op=op)
         self.padding_value = padding_value
-        self.pad_to_multiple_of = pad_to_multiple_of
 
-    def _value(self, key: Any) -> float:
+    def _value(self, key: Any, dtype: torch.dtype) -> float:
+        """The padding value of field ``key``, checked against the field's dtype: a value the
+        dtype cannot hold would be silently rounded or wrapped by ``new_full``."""
         if isinstance(self.padding_value, dict):
-            return self.padding_value.get(key, 0)
-        return self.padding_value
+            value, name = self.padding_value.get(key, 0), f"padding_value[{key!r}]"
+        else:
+            value, name = self.padding_value, "padding_value"
+        if dtype == torch.bool:
+            ok = value in (0, 1)
+        elif dtype.is_floating_point or dtype.is_complex:
+            value = float(value)  # checked convertible when built
+            real = torch.finfo(dtype).max
+            ok = not math.isfinite(value) or abs(value) <= real
+        else:
+            info = torch.iinfo(dtype)
+            ok = math.isfinite(value) and value == int(value) and info.min <= value <= info.max
+        if not ok:
+            raise ValueError(
+                f"pad_collate: {name}={value!r} cannot be stored in field {key!r} of dtype {dtype}"
+            )
+        return value
 
     def _field(self, items: list[Any], key: Any) -> tuple[Any, torch.Tensor | None]:
         first = items[0]
+        if isinstance(first, torch.Tensor):
+            for i, t in enumerate(items):
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(
+                        f"pad_collate: field {key!r} of sample {i} is a {type(t).__name__}, but "
+                        "of sample 0 a tensor"
+                    )
+                if t.dim() != first.dim():
+                    raise ValueError(
+                        f"pad_collate: field {key!r} of sample {i} has {t.dim()} dims (shape "
+                        f"{tuple(t.shape)}), of sample 0 {first.dim()} ({tuple(first.shape)})"
+                    )
+                if t.dtype != first.dtype:
+                    raise TypeError(
+                        f"pad_collate: field {key!r} of sample {i} has dtype {t.dtype}, of "
+                        f"sample 0 {first.dtype}; cast the samples to one dtype"
+                    )
+                if t.device != first.device:
+                    raise ValueError(
+                        f"pad_collate: field {key!r} of sample {i} is on {t.device}, of sample "
+                        f"0 on {first.device}"
+                    )
         if isinstance(first, torch.Tensor) and first.dim() >= 1:
             for i, t in enumerate(items):
-                if not isinstance(t, torch.Tensor) or t.shape[1:] != first.shape[1:]:
+                if t.shape[1:] != first.shape[1:]:
                     raise ValueError(
                         f"pad_collate: field {key!r} of sample {i} must be a tensor of shape "
-                        f"[L, *{tuple(first.shape[1:])}], got {getattr(t, 'shape', type(t))}"
+                        f"[L, *{tuple(first.shape[1:])}], got {tuple(t.shape)}"
                     )
             lengths = torch.tensor([t.shape[0] for t in items], dtype=torch.int64)
             longest = int(lengths.max()) if items else 0
             m = self.pad_to_multiple_of
             longest = math.ceil(longest / m) * m
-            out = first.new_full((len(items), longest, *first.shape[1:]), self._value(key))
+            value = self._value(key, first.dtype)
+            out = first.new_full((len(items), longest, *first.shape[1:]), value)
             for i, t in enumerate(items):
                 out[i, : t.shape[0]] = t
             return out, lengths
         if isinstance(first, torch.Tensor):
             return torch.stack(items), None
         if isinstance(first, (int, float)) and not isinstance(first, bool):
-            return torch.tensor(items), None
+            for i, v in enumerate(items):
+                if isinstance(v, bool) or not isinstance(v, (int, float)):
+                    raise TypeError(
+                        f"pad_collate: field {key!r} of sample {i} is {v!r}, of sample 0 a number"
+                    )
+            try:
+                return torch.tensor(items), None
+            except (RuntimeError, OverflowError, TypeError, ValueError):
+                raise ValueError(
+                    f"pad_collate: field {key!r} holds a number beyond int64: {items}"
+                ) from None
         return list(items), None
 
     def __call__(self, samples: Sequence[Any]) -> Any:
+        if isinstance(samples, (str, bytes)) or not isinstance(samples, Sequence):
+            raise TypeError(
+                f"pad_collate: samples must be a list of samples, got {type(samples).__name__}"
+            )
         if len(samples) == 0:
             raise ValueError("pad_collate: empty batch")
         first = samples[0]
@@ -250,6 +329,20 @@ class PadCollate:
                 raise ValueError("pad_collate: samples must have a length dimension (dim >= 1)")
             return out, lengths
         if isinstance(first, dict):
+            for i, s in enumerate(samples):
+                if not isinstance(s, dict):
+                    raise TypeError(
+                        f"pad_collate: sample {i} is a {type(s).__name__}, sample 0 a dict"
+                    )
+                if s.keys() != first.keys():
+                    missing = [k for k in first if k not in s]
+                    extra = [k for k in s if k not in first]
+                    raise ValueError(
+                        f"pad_collate: sample {i} has keys {list(s)}, sample 0 {list(first)} "
+                        f"(missing {missing}, extra {extra})"
+                    )
+            if "lengths" in first:
+                raise ValueError("pad_collate: a sample's key 'lengths' would be overwritten")
             result: dict[Any, Any] = {}
             lengths = None
             for k in first:
@@ -259,6 +352,16 @@ class PadCollate:
                 result["lengths"] = lengths
             return result
         if isinstance(first, (tuple, list)):
+            for i, s in enumerate(samples):
+                if not isinstance(s, (tuple, list)):
+                    raise TypeError(
+                        f"pad_collate: sample {i} is a {type(s).__name__}, sample 0 a "
+                        f"{type(first).__name__}"
+                    )
+                if len(s) != len(first):
+                    raise ValueError(
+                        f"pad_collate: sample {i} has {len(s)} fields, sample 0 has {len(first)}"
+                    )
             fields, lengths = [], None
             for j in range(len(first)):
                 out, lens = self._field([s[j] for s in samples], j)

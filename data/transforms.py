@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from aiak.ops._args import check_float, check_int
+
 __all__ = ["normalize"]
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -21,13 +23,17 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 def _channel_values(name: str, values: Sequence[float] | torch.Tensor) -> torch.Tensor:
     if isinstance(values, torch.Tensor):
+        if values.is_complex() or values.dtype == torch.bool:
+            raise TypeError(f"normalize: {name} must be a real tensor, got {values.dtype}")
         t = values.detach().to("cpu", torch.float64).flatten()
     else:
         if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
             raise TypeError(f"normalize: {name} must be a sequence of numbers or a tensor")
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-            raise TypeError(f"normalize: {name} must hold numbers, got {list(values)!r}")
-        t = torch.tensor([float(v) for v in values], dtype=torch.float64)
+        t = torch.tensor(
+            [check_float(f"{name}[{i}]", v, op="normalize") for i, v in
+             enumerate(values)],
+            dtype=torch.float64,
+        )  # fmt: skip
     if t.numel() == 0:
         raise ValueError(f"normalize: {name} is empty")
     if not torch.isfinite(t).all():
@@ -58,14 +64,17 @@ def normalize(
         raise ValueError(
             f"normalize: mean has {mean_t.numel()} channels but std has {std_t.numel()}"
         )
-    if (std_t == 0).any():
-        raise ValueError(f"normalize: std must be non-zero, got {std_t.tolist()}")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
-        raise ValueError(f"normalize: scale must be a positive number, got {scale!r}")
-    if dtype not in _FLOATS:
+    if not (std_t > 0).all():
+        # a negative std mirrors the image; zero divides by zero
+        raise ValueError(f"normalize: std must be positive, got {std_t.tolist()}")
+    scale = check_float("scale", scale, gt=0, op="normalize")
+    if not isinstance(dtype, torch.dtype) or dtype not in _FLOATS:
         raise TypeError(f"normalize: dtype must be a floating dtype, got {dtype!r}")
-    if isinstance(channel_dim, bool) or not isinstance(channel_dim, int):
-        raise TypeError(f"normalize: channel_dim must be an int, got {channel_dim!r}")
+    channel_dim = check_int("channel_dim", channel_dim, op="normalize")
+    try:
+        hash(key)
+    except TypeError:
+        raise TypeError(f"normalize: key must be hashable, got {key!r}") from None
     # y = x * mul + add with mul = 1 / (scale * std), add = -mean / std: float64 here, then
     # rounded once to dtype.
     mul64 = 1.0 / (scale * std_t)

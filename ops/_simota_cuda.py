@@ -1,6 +1,8 @@
 """The CUDA launcher of ``aiak::simota_assign`` (ops/simota.py holds the checks, the reference
 and the op): three launches of ops/kernels/simota.cu on float32 inputs, with a torch-allocated
-workspace; nothing waits for the GPU.
+workspace; nothing waits for the GPU. The kernels clear a device flag where a valid gt has a
+class id outside ``[0, C)`` or a negative size, or an anchor stride is negative; a device-side
+assert on that flag makes those an error without a host synchronisation.
 """
 
 from __future__ import annotations
@@ -14,6 +16,10 @@ _SOURCE = "simota.cu"
 _OPTIONS = ("-std=c++17", "--fmad=false")
 _BLOCK = 256
 _WARPS = _BLOCK // 32
+VALUE_ERROR = (
+    "simota_assign: a valid gt has a class id outside [0, C), a negative width or height, or an "
+    "anchor stride is negative"
+)
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
@@ -53,6 +59,7 @@ def launch_simota(
     bg_sum = torch.empty(B, A, dtype=torch.float64, device=device)
     count = torch.empty(B, A, dtype=torch.int32, device=device)
     owner = torch.empty(B, A, dtype=torch.int32, device=device)
+    ok = torch.ones(1, dtype=torch.bool, device=device)  # the kernels clear it on bad values
     # int32 sizes and flags, the radius in float64 (the kernels' parameter types)
     dims = (B, G, A, C, np.float64(center_radius))
     flags = (int(center_only), int(geometry_penalty), int(box_format == "xyxy"))
@@ -61,13 +68,13 @@ def launch_simota(
     with _cuda.on_device(device):
         run(
             _SOURCE, "simota_prepare", (-(-A // _WARPS), B), _BLOCK,
-            *gts, cls, obj, cand, bg_sum, count, owner, num_fg, *dims, flags[0], flags[2],
+            *gts, cls, obj, cand, bg_sum, count, owner, num_fg, *dims, flags[0], flags[2], ok,
             options=_OPTIONS,
         )  # fmt: skip
         if G:
             run(
                 _SOURCE, "simota_select", B * G, _BLOCK,
-                *gts, pred, cls, obj, cand, bg_sum, count, owner, *dims, *flags,
+                *gts, pred, cls, obj, cand, bg_sum, count, owner, *dims, *flags, ok,
                 options=_OPTIONS,
             )  # fmt: skip
         run(
@@ -76,4 +83,5 @@ def launch_simota(
             num_fg, *dims, *flags,
             options=_OPTIONS,
         )  # fmt: skip
+    torch._assert_async(ok, VALUE_ERROR)
     return out

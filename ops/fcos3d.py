@@ -27,12 +27,14 @@ launcher, the op declaration, the public functions.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
 
 from aiak.ops import _cuda, _driver
+from aiak.ops._args import check_float, check_int, check_sequence
 from aiak.ops._capability import Capability, declare, use_kernel
 from aiak.ops._registry import define
 
@@ -114,8 +116,10 @@ def _check(*tensors: torch.Tensor, radius: float, alpha: float) -> tuple[int, in
     for name, v in (("center_sample_radius", radius), ("centerness_alpha", alpha)):
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise TypeError(f"{op}: {name} must be a number, got {type(v).__name__}")
-    if not 0 < radius < float("inf"):
+    if not 0 < radius <= sys.float_info.max:  # NaN, inf and ints beyond a float fail
         raise ValueError(f"{op}: center_sample_radius must be positive and finite, got {radius}")
+    # NaN would make every centerness NaN; a negative alpha, centerness above 1
+    check_float("centerness_alpha", alpha, ge=0, op=op)
     if max(B * P, G) >= 2**31 or B > 65535:
         raise ValueError(f"{op}: sizes B={B}, P={P}, G={G} are beyond the kernel's grid")
     return B, P, G, boxes_3d.shape[2]
@@ -273,12 +277,34 @@ def point_meta(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(point_strides [P], regress_ranges [P, 2])`` for points laid out level by level, as
     mmdet3d concatenates them; build it once per input size."""
-    n = list(num_points_per_level)
+    op = "point_meta"
+    n = [
+        check_int(f"num_points_per_level[{i}]", v, ge=0, op=op)
+        for i, v in enumerate(check_sequence("num_points_per_level", num_points_per_level, op=op))
+    ]
+    strides = [
+        check_float(f"strides[{i}]", v, gt=0, op=op)
+        for i, v in enumerate(check_sequence("strides", strides, op=op))
+    ]
+    ranges = []
+    for i, pair in enumerate(check_sequence("regress_ranges", regress_ranges, op=op)):
+        pair = check_sequence(f"regress_ranges[{i}]", pair, op=op)
+        if len(pair) != 2:
+            raise ValueError(f"{op}: regress_ranges[{i}] must be a (low, high) pair, got {pair!r}")
+        # mmdet3d's ranges are open above with a huge or infinite high end
+        lo = check_float(f"regress_ranges[{i}][0]", pair[0], finite=False, op=op)
+        hi = check_float(f"regress_ranges[{i}][1]", pair[1], finite=False, op=op)
+        if not lo <= hi:
+            raise ValueError(f"{op}: regress_ranges[{i}] = ({lo}, {hi}) has low > high")
+        ranges.append((lo, hi))
+    regress_ranges = ranges
     if not (len(n) == len(strides) == len(regress_ranges)):
         raise ValueError(
             f"point_meta: num_points_per_level ({len(n)}), strides ({len(strides)}) and "
             f"regress_ranges ({len(regress_ranges)}) must have one entry per level"
         )
+    if not isinstance(device, (torch.device, str, int)) or isinstance(device, bool):
+        raise TypeError(f"{op}: device must be a torch.device or str, got {device!r}")
     counts = torch.tensor(n, dtype=torch.int64)
     s = torch.tensor([float(v) for v in strides], dtype=torch.float32)
     r = torch.tensor([[float(a), float(b)] for a, b in regress_ranges], dtype=torch.float32)
@@ -322,8 +348,8 @@ def fcos3d_targets(
         ("background_label", background_label),
         ("attr_background_label", attr_background_label),
     ):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise TypeError(f"fcos3d_targets: {name} must be an int, got {type(v).__name__}")
+        # written into int64 outputs
+        check_int(name, v, ge=-(2**63), lt=2**63, op="fcos3d_targets")
     _check(*tensors, radius=center_sample_radius, alpha=centerness_alpha)
     return FCOS3DTargets(
         *FCOS3D_OP(

@@ -30,8 +30,10 @@ and this reference agree on it (both compute every product and sum in the same o
 costs sort after every number; a NaN IoU counts as 0.
 
 Boxes (gts and predictions alike) are ``cxcywh`` (YOLOX) or ``xyxy``. A valid gt whose class id
-is outside ``[0, C)`` takes part in nothing; on CPU tensors it is an error, on CUDA it is not
-checked (that check would synchronise the host).
+is outside ``[0, C)`` or whose width or height is negative, and a negative anchor stride, are
+errors on every device: ``ValueError`` on CPU tensors; on CUDA a device-side assert (raised at
+the next synchronisation, as torch's own out-of-range indexing does), because a host-side
+check would synchronise the host. The kernel never reads such a gt's class row.
 
 Read top-down: checks, the PyTorch reference (the default kernel on every device), the CUDA
 dispatch (its launcher is ops/_simota_cuda.py), the op declaration, the public function.
@@ -39,18 +41,20 @@ dispatch (its launcher is ops/_simota_cuda.py), the op declaration, the public f
 
 from __future__ import annotations
 
+import sys
 from typing import Any, NamedTuple
 
 import torch
 
 from aiak.ops._capability import FLOAT_DTYPES, Capability, declare, use_kernel
 from aiak.ops._registry import define
-from aiak.ops._simota_cuda import launch_simota
+from aiak.ops._simota_cuda import VALUE_ERROR, launch_simota
 
 __all__ = ["SimOTAAssignment", "simota_assign"]
 
 SIMOTA = declare(Capability("simota_assign"))
 _TOPK = 10
+_FLOAT_MAX = sys.float_info.max
 _FORMATS = ("cxcywh", "xyxy")
 _INT_DTYPES = (torch.int64, torch.int32)
 
@@ -136,7 +140,7 @@ def _check(
             raise ValueError(f"{op}: {name} is on {t.device} but gt_boxes is on {device}")
     if isinstance(center_radius, bool) or not isinstance(center_radius, (int, float)):
         raise TypeError(f"{op}: center_radius must be a number, got {type(center_radius).__name__}")
-    if not 0 < center_radius < float("inf"):
+    if not 0 < center_radius <= _FLOAT_MAX:  # NaN, inf and ints beyond a float fail
         raise ValueError(f"{op}: center_radius must be positive and finite, got {center_radius}")
     if box_format not in _FORMATS:
         raise ValueError(f"{op}: box_format must be one of {_FORMATS}, got {box_format!r}")
@@ -144,6 +148,41 @@ def _check(
     if max(A, B * A, G) >= 2**31 or B > 65535:
         raise ValueError(f"{op}: sizes B={B}, A={A}, G={G} are beyond the kernel's grid")
     return B, G, A, C
+
+
+def _check_values(
+    gt_boxes: torch.Tensor,
+    gt_classes: torch.Tensor,
+    gt_valid: torch.Tensor,
+    anchor_strides: torch.Tensor,
+    C: int,
+    xyxy: bool,
+) -> None:
+    """The rules on values, one on every device: on CPU a ``ValueError`` naming the argument;
+    on CUDA a device-side assert (``torch._assert_async``, as torch's own indexing does), which
+    never synchronises the host. Padded gts (``gt_valid`` False) may hold anything; NaN sizes
+    pass (they match nothing)."""
+    op = "simota_assign"
+    bad_class = gt_valid & ((gt_classes < 0) | (gt_classes >= C))
+    x0, y0, x1, y1 = gt_boxes.unbind(-1)
+    # cxcywh: x1, y1 are the width and height
+    low_x, low_y = (x0, y0) if xyxy else (0.0, 0.0)
+    bad_size = gt_valid & ((x1 < low_x) | (y1 < low_y))
+    bad_stride = anchor_strides < 0
+    if gt_boxes.device.type != "cpu":
+        if gt_boxes.numel() or anchor_strides.numel():
+            ok = ~(bad_class.any() | bad_size.any() | bad_stride.any())
+            torch._assert_async(ok, VALUE_ERROR)
+        return
+    if bool(bad_class.any()):
+        raise ValueError(f"{op}: gt_classes of valid gts must lie in [0, {C})")
+    if bool(bad_size.any()):
+        b, g = (int(i) for i in bad_size.nonzero()[0])
+        what = "x2 < x1 or y2 < y1" if xyxy else "a negative width or height"
+        raise ValueError(f"{op}: gt_boxes[{b}, {g}] (a valid gt) has {what}")
+    if bool(bad_stride.any()):
+        a = int(bad_stride.nonzero()[0, 0])
+        raise ValueError(f"{op}: anchor_strides must be >= 0, got anchor_strides[{a}] < 0")
 
 
 def _call(args: tuple) -> tuple[tuple, tuple, tuple[int, int, int, int]]:
@@ -190,8 +229,7 @@ def _reference(*args: Any) -> tuple[torch.Tensor, ...]:
     center_radius, center_only, geometry_penalty, box_format = options
     device = gt_boxes.device
     in_range = (gt_classes >= 0) & (gt_classes < C)
-    if device.type == "cpu" and bool((gt_valid & ~in_range).any()):
-        raise ValueError(f"simota_assign: gt_classes of valid gts must lie in [0, {C})")
+    _check_values(gt_boxes, gt_classes, gt_valid, anchor_strides, C, box_format == "xyxy")
     out = _outputs(B, A, device)
     if B == 0 or A == 0 or G == 0:
         out.fg_mask.zero_()

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from aiak.ops import _window_attention_cuda as _wac
+from aiak.ops._args import check_float
 from aiak.ops._registry import define
 from aiak.ops._window_attention_cuda import (
     DEFAULT_KERNEL,
@@ -138,8 +139,8 @@ def window_attention(
         scale = q.shape[-1] ** -0.5
     if isinstance(mask, torch.Tensor) and mask.requires_grad:
         raise ValueError("window_attention: mask must not require grad (it is a constant)")
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
-        raise TypeError(f"window_attention: scale must be a number, got {type(scale).__name__}")
+    # NaN or inf would turn every probability NaN; 0 and negative scales are well defined
+    scale = check_float("scale", scale, op="window_attention")
     if _wac.eager(q):
         return _EagerAttention.apply(q, k, v, bias, mask, float(scale))
     return ATTENTION_OP(q, k, v, bias, mask, float(scale))

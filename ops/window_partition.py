@@ -14,6 +14,7 @@ import torch
 
 from aiak.ops import _cuda, _driver
 from aiak.ops import _window_attention_cuda as _wac
+from aiak.ops._args import check_int
 from aiak.ops._capability import Capability, declare, use_kernel
 from aiak.ops._registry import define
 from aiak.ops._window_attention_cuda import SOURCE, _i64
@@ -243,6 +244,8 @@ def window_merge_roll(windows: torch.Tensor, H: int, W: int, shift: int = 0) -> 
             f"window_merge_roll: windows must be a Tensor, got {type(windows).__name__}"
         )
     _check_geometry("window_merge_roll", 1, 1, 1, shift)
+    for name, v in (("H", H), ("W", W)):
+        check_int(name, v, ge=1, op="window_merge_roll")
     if _wac.eager(windows):
         return _EagerMerge.apply(windows, H, W, shift)
     return MERGE_OP(windows, H, W, shift)

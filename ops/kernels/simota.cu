@@ -2,10 +2,13 @@
 // batched over images with padded gts. Three launches on one stream, no host synchronisation:
 //   simota_prepare  one warp per (image, anchor): the candidate flag (a valid gt's box or centre
 //                   region holds the anchor), the sum over classes of the BCE's background term;
-//                   zeroes the anchor's match count and the image's num_fg.
+//                   zeroes the anchor's match count and the image's num_fg; clears *ok where
+//                   an anchor stride is negative.
 //   simota_select   one block per (image, gt): IoU and cost over the image's candidates, the sum
 //                   of the 10 largest IoUs (dynamic k), then the k lowest (cost, anchor index)
-//                   pairs; each pick adds one to the anchor's match count (atomics).
+//                   pairs; each pick adds one to the anchor's match count (atomics). Clears
+//                   *ok where a valid gt has a class outside [0, C) or a negative size (such a
+//                   gt is skipped: its class row is never read); the launcher asserts on *ok.
 //   simota_resolve  one thread per (image, anchor): the one gt that picked it or, picked twice
 //                   or more, the valid gt of lowest cost (lowest gt index on ties); its IoU;
 //                   num_fg per image (one atomic per warp).
@@ -117,7 +120,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK) simota_prepare(
     const float* __restrict__ obj_logits, unsigned char* __restrict__ cand,
     double* __restrict__ bg_sum, int* __restrict__ count, int* __restrict__ owner,
     i64* __restrict__ num_fg, int B, int G, int A, int C, double radius, int center_only,
-    int xyxy) {
+    int xyxy, unsigned char* __restrict__ ok) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int a = blockIdx.x * WARPS + warp;
   const int b = blockIdx.y;
@@ -126,6 +129,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK) simota_prepare(
   if (a == 0 && lane == 0) num_fg[b] = 0;
   const double ax = centers[2 * (i64)a], ay = centers[2 * (i64)a + 1];
   const double rs = radius * (double)strides[a];
+  if (b == 0 && lane == 0 && strides[a] < 0.0f) *ok = 0;  // every writer writes the same 0
   bool hit = false;
   for (int g = lane; g < G; g += 32) {
     const i64 bg = (i64)b * G + g;
@@ -201,13 +205,20 @@ extern "C" __global__ void __launch_bounds__(BLOCK) simota_select(
     const float* __restrict__ cls_logits, const float* __restrict__ obj_logits,
     const unsigned char* __restrict__ cand, const double* __restrict__ bg_sum,
     int* __restrict__ count, int* __restrict__ owner, int B, int G, int A, int C, double radius,
-    int center_only, int penalty, int xyxy) {
+    int center_only, int penalty, int xyxy, unsigned char* __restrict__ ok) {
   __shared__ double sv[WARPS];
   __shared__ int st[WARPS];
   __shared__ double win_v;
   __shared__ int win_t;
   const i64 bg = blockIdx.x;
   const int b = (int)(bg / G), g = (int)(bg % G);
+  if (threadIdx.x == 0 && gt_valid[bg]) {
+    const i64 k = gt_cls[bg];
+    const float* q = gt_boxes + bg * 4;
+    // xyxy: x2 < x1 or y2 < y1; cxcywh: w < 0 or h < 0 (a NaN passes, as in the reference)
+    const bool bad_size = xyxy ? (q[2] < q[0] || q[3] < q[1]) : (q[2] < 0.0f || q[3] < 0.0f);
+    if (k < 0 || k >= C || bad_size) *ok = 0;
+  }
   if (!gt_usable(gt_valid, gt_cls, bg, C)) return;  // uniform over the block
   const Params P{B, G, A, C, radius, center_only, penalty, xyxy};
   const Box box = load_box(gt_boxes + bg * 4, xyxy);

@@ -66,17 +66,17 @@ def test_float_input_and_scale_one() -> None:
 
 
 def test_bad_input_names_the_argument() -> None:
-    with pytest.raises(ValueError, match="std must be non-zero"):
+    with pytest.raises(ValueError, match="std must be positive"):
         normalize(MEAN, (0.2, 0.0, 0.2))
     with pytest.raises(ValueError, match="mean has 2 channels but std has 3"):
         normalize((0.5, 0.5), STD)
     with pytest.raises(TypeError, match="mean must be a sequence"):
         normalize("abc", STD)
-    with pytest.raises(TypeError, match="std must hold numbers"):
+    with pytest.raises(TypeError, match=r"std\[1\] must be a number"):
         normalize(MEAN, (0.2, None, 0.2))
     with pytest.raises(ValueError, match="must be finite"):
         normalize(MEAN, (0.2, float("nan"), 0.2))
-    with pytest.raises(ValueError, match="scale must be a positive"):
+    with pytest.raises(ValueError, match="scale must be > 0"):
         normalize(MEAN, STD, scale=0)
     with pytest.raises(TypeError, match="dtype must be a floating"):
         normalize(MEAN, STD, dtype=torch.int32)
