@@ -3,7 +3,7 @@
 Why ``torch.library.define`` + ``Library.impl`` and not ``torch.library.custom_op``: custom_op
 wraps every call in Python layers (autograd, in-place-or-view bookkeeping with one version bump
 per tensor, alias checks) that cost about four times define/impl's host time per call on a list
-of a few hundred tensors (benchmarks/profile_host.py); define/impl dispatches from C++ straight
+of a few hundred tensors (research/profile_host.py); define/impl dispatches from C++ straight
 to the Python kernel. What custom_op did for us is kept: the reference is the default kernel on
 every device (``CompositeExplicitAutograd``), ``register_fake`` for ``torch.compile``,
 ``register_autograd`` where an op has a gradient, ``opcheck`` passes, and version counters of

@@ -352,7 +352,7 @@ def _attention_backward_cuda(dout, q, k, v, bias, mask, scale) -> tuple:
 
 def eager_on(device_type: str) -> Callable[[torch.Tensor], bool]:
     """The eager path's predicate for tensors of ``device_type`` (CPU stands in for CUDA in
-    benchmarks/profile_window_attention_host.py)."""
+    research/profile_window_attention_host.py)."""
 
     def eager(t: torch.Tensor) -> bool:
         return (

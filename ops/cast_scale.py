@@ -6,7 +6,7 @@ small fp32 values above fp16's underflow before the cast (Perseus's gradient sca
 compression uses it for both directions of every bucket: one launch each way, no tables, no
 host synchronisation. torch has no single op for it: ``torch.mul(half, fp32_tensor, out=f32)``
 computes in fp32 but takes TensorIterator's broadcasting path, a fraction of copy bandwidth
-(benchmarks/results/comm_nccl_notes.md).
+(research/comm_nccl_notes.md).
 
 Read top-down: checks, the PyTorch reference (the default kernel on every device), the CUDA
 launcher, the op declaration.
@@ -122,7 +122,7 @@ def _cast_cuda(dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
 # the tensors, looked up once, for pairs the kernel supports. Host time decides this op's
 # design: the CUDA work of a gradient bucket's cast is a few µs, a torch elementwise op call
 # costs 8-10 µs on the H100 machine's host, and a CuPy launch alone 9.2 µs there
-# (benchmarks/profile_hotpaths.py); ``_driver.DriverKernel`` launches in 7.8 µs all told.
+# (research/profile_hotpaths.py); ``_driver.DriverKernel`` launches in 7.8 µs all told.
 _records: dict[tuple[torch.dtype, torch.dtype, int], tuple[_driver.DriverKernel, int]] = {}
 _ARGTYPES = (ctypes.c_uint64, ctypes.c_uint64, ctypes.c_float, ctypes.c_int64)
 _F32_MAX = 3.4028234663852886e38

@@ -92,7 +92,7 @@ def copy_back_targets(optimizer: Any, params: Sequence[torch.Tensor]) -> list[to
 # A step of a stable tensor set is the same call with new grads: everything else (params, state
 # tensors, copy-back targets, the op's device table) is built once per group (``Plan``, holding
 # an ``aiak.ops`` bound step), and each step re-validates it with a few C-level identity and
-# address passes (benchmarks/profile_optim_host.py measures them).
+# address passes (research/profile_optim_host.py measures them).
 
 
 class Plan:

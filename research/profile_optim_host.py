@@ -1,6 +1,6 @@
 """Host (CPU) µs per call of the CUDA path's Python, measured on the CPU with the launch stubbed.
 
-    python benchmarks/profile_optim_host.py [--steps 50] [--profile] [--cuda]
+    python research/profile_optim_host.py [--steps 50] [--profile] [--cuda]
 
 Not a speed claim: a diagnosis of the Python around the kernel launches, the part of a step the
 GPU waits on when the host is slow. The params are tiny (one element per tensor, ResNet-50's

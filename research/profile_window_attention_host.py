@@ -1,6 +1,6 @@
 """Host (CPU) µs per call of window attention's CUDA path, on the CPU with the launches stubbed.
 
-    python benchmarks/profile_window_attention_host.py [--calls 200] [--profile]
+    python research/profile_window_attention_host.py [--calls 200] [--profile]
 
 Not a speed claim: a diagnosis of the Python around the kernel launches. A converted
 swin_tiny training step is host-bound (the GPU waits on the host), so each call's host time is

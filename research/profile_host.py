@@ -1,6 +1,6 @@
 """Host (CPU) cost per call of the multi-tensor ops, split by stage, and a cProfile of one op.
 
-    python benchmarks/profile_host.py
+    python research/profile_host.py
 
 Not a speed claim: a diagnosis of where Python time goes when the GPU waits for the host.
 """

@@ -1,6 +1,6 @@
 """Where host and GPU time go on the paths that miss their targets (a diagnosis, not a claim).
 
-python benchmarks/profile_hotpaths.py [launch|l2norm|dgc|data|overlap ...]
+python research/profile_hotpaths.py [launch|l2norm|dgc|data|overlap ...]
 """
 
 from __future__ import annotations
