@@ -125,10 +125,9 @@ def _device_index_slow() -> int:
     return torch.cuda.current_device()
 
 
-# torch.cuda.current_device() re-runs its lazy-init and fork checks on every call (2.2 µs per
-# call on the H100 machine's host, four calls per single-tensor op); once CUDA is initialised,
-# which every caller here has done by holding a CUDA tensor, the C call alone is the same value
-# (0.3 µs).
+# torch.cuda.current_device() re-runs its lazy-init and fork checks on every call (~2 µs);
+# once CUDA is initialised, which every caller here has done by holding a CUDA tensor, the C
+# call alone gives the same value.
 device_index = getattr(torch._C, "_cuda_getDevice", _device_index_slow)
 
 

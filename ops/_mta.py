@@ -72,8 +72,8 @@ class Table:
 
 _cache: dict[tuple, Table] = {}
 # Least recently used goes first: a hit stamps its table (id -> tick) instead of reordering the
-# cache, which would hash and compare the key a second time (5-8 µs on 161 tensors on the H100
-# machine's host); the oldest stamp is searched only when an insertion overflows the cache.
+# cache, which would hash and compare the key a second time (5-8 µs on 161 tensors); the
+# oldest stamp is searched only when an insertion overflows the cache.
 _used: dict[int, int] = {}
 _tick = itertools.count()
 _lock = threading.Lock()

@@ -120,9 +120,7 @@ def _cast_cuda(dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
 
 # (src dtype, dst dtype, device index) -> (kernel, most blocks): what a launch needs besides
 # the tensors, looked up once, for pairs the kernel supports. Host time decides this op's
-# design: the CUDA work of a gradient bucket's cast is a few µs, a torch elementwise op call
-# costs 8-10 µs on the H100 machine's host, and a CuPy launch alone 9.2 µs there
-# (research/profile_hotpaths.py); ``_driver.DriverKernel`` launches in 7.8 µs all told.
+# design: a bucket's cast is a few µs of GPU work, about what one launch costs the host.
 _records: dict[tuple[torch.dtype, torch.dtype, int], tuple[_driver.DriverKernel, int]] = {}
 _ARGTYPES = (ctypes.c_uint64, ctypes.c_uint64, ctypes.c_float, ctypes.c_int64)
 _F32_MAX = 3.4028234663852886e38

@@ -81,7 +81,7 @@ def _l2norm_launch(tab: _mta.Table, n: int, per_tensor: bool) -> tuple[torch.Ten
 def _launch(tab: _mta.Table, n: int, per: torch.Tensor | None) -> torch.Tensor:
     """One launch of ``mt_l2norm`` over ``tab`` (``n`` tensors); fills ``per`` unless None and
     returns the total. The outputs are separate allocations: the schema promises fresh tensors,
-    and ``BoundNorm`` needs the total alone (one allocation, ~3 µs on the H100 machine's host)."""
+    and ``BoundNorm`` needs the total alone (one allocation a call)."""
     device = tab.data.device
     with _cuda.on_device(device):
         total = torch.empty((), dtype=torch.float32, device=device)

@@ -1,6 +1,6 @@
 """LAMB (You et al., ICLR 2020) with apex FusedLAMB's math: global-norm clipping, Adam moments,
-a per-tensor trust ratio. ``FusedLAMB`` has apex's signature and defaults, ``LAMB`` the
-seed's (AIAK-Training's ``torch.optim.LAMB``). The math is the op's (``aiak::fused_lamb_``,
+a per-tensor trust ratio. ``FusedLAMB`` has apex's signature and defaults, ``LAMB``
+AIAK-Training's (its ``torch.optim.LAMB``). The math is the op's (``aiak::fused_lamb_``,
 ops/fused_lamb.py); per step: the global grad norm over every group
 (``aiak::multi_tensor_l2norm``, all dtypes in one call), then ``fused_lamb_`` per group.
 """
@@ -162,7 +162,7 @@ class FusedLAMB(C.FusedOptimizer):
 
 
 class LAMB(FusedLAMB):
-    """The seed's ``LAMB(params, lr=1e-3, weight_decay=0, betas=(0.9, 0.999), eps=1e-8,
+    """AIAK-Training's ``LAMB(params, lr=1e-3, weight_decay=0, betas=(0.9, 0.999), eps=1e-8,
     adam_w_mode=True, grad_averaging=True, set_grad_none=True, max_grad_norm=1.0)``; same math
     as :class:`FusedLAMB` (and the same kernels)."""
 
