@@ -1,11 +1,10 @@
 """Kernel compilation and the CUDA context around a launch: CuPy RawModule and stream
 caches, the current device, kernel sources and their ``#define``s.
 
-Everything here is lazy: importing this module imports neither cupy nor numba and does not
-initialise CUDA. Kernels are CUDA C++ files in ``ops/kernels/`` compiled at run time by NVRTC
-through CuPy (no build step at install). They launch through ``ops/_driver.py`` only, on
-torch's current stream, so they order correctly with torch's own kernels and are captured by
-CUDA graphs like them.
+Everything here is lazy: importing this module imports no cupy and does not initialise CUDA.
+Kernels are CUDA C++ files in ``ops/kernels/`` compiled at run time by NVRTC through CuPy (no
+build step at install). They launch through ``ops/_driver.py`` only, on torch's current stream,
+so they order correctly with torch's own kernels and are captured by CUDA graphs like them.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ import importlib.util
 import os
 import re
 import threading
-import warnings
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -34,7 +32,6 @@ DEFAULT_OPTIONS: tuple[str, ...] = ("-std=c++17",)
 _lock = threading.Lock()
 _modules: dict[tuple[str, tuple[str, ...], int], Any] = {}
 _functions: dict[tuple[str, str, tuple[str, ...], int], Any] = {}
-_streams: dict[tuple[int, int], Any] = {}
 
 
 def kernels_disabled() -> bool:
@@ -162,42 +159,6 @@ def _raw_stream_slow(device: int) -> int:
 
 # torch's current stream on a device as a pointer, without building a Stream object.
 raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _raw_stream_slow)
-
-
-def current_stream() -> Any:
-    """A ``cupy.cuda.ExternalStream`` for torch's current stream, cached per (device, stream):
-    where ``ops/_driver.py`` hands a launch to CuPy (no libcuda, no driver handle).
-
-    Building an ExternalStream costs about three launches; cached, a launch costs about what a
-    torch op's does.
-    """
-    device = device_index()
-    key = (device, raw_stream(device))
-    stream = _streams.get(key)
-    if stream is None:
-        ts = torch.cuda.current_stream()
-        with warnings.catch_warnings():
-            # CuPy 14 deprecates ExternalStream in favour of Stream.from_external(obj) for
-            # objects with __cuda_stream__, which torch 2.4 streams lack; the pointer form works
-            # on every CuPy we support.
-            warnings.simplefilter("ignore", DeprecationWarning)
-            stream = cupy().cuda.ExternalStream(ts.cuda_stream, ts.device_index)
-        _streams[key] = stream
-    return stream
-
-
-def numpy() -> Any:
-    """numpy, imported on first use (``import aiak.ops`` stays free of it): kernel arguments
-    of other types than int32, float32 and pointers are numpy scalars (``ops/_driver.py``)."""
-    global _np
-    if _np is None:
-        import numpy as np
-
-        _np = np
-    return _np
-
-
-_np: Any = None
 
 
 @cache

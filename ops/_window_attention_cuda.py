@@ -17,8 +17,9 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
-from aiak.ops import _cuda, _driver
+from aiak.ops import _cuda
 from aiak.ops._capability import Capability, declare, use_kernel
+from aiak.ops._driver import Kernel
 from aiak.ops._window_attention_ref import (
     HALF,
     _attention_backward_reference,
@@ -31,6 +32,20 @@ ATTN = declare(Capability("window_attention", dtypes=HALF))
 SOURCE = "window_attention.cu"
 _CODE = {torch.float16: "f16", torch.bfloat16: "bf16"}
 _THREADS = 128  # WA_THREADS in the source
+_SIZES = "i64 qb, i64 qh, i64 qn, i64 kb, i64 kh, i64 kn, i64 vb, i64 vh, i64 vn, "
+_SIZES += "i32 B_, i32 nH, i32 N, i32 nW, f32 scale"
+_PARAMS = {
+    "fwd": "ptr q, ptr k, ptr v, ptr bias, ptr mask, ptr out, " + _SIZES,
+    "bwd": "ptr dout, ptr q, ptr k, ptr v, ptr bias, ptr mask, ptr dq, ptr dk, ptr dv, "
+    "ptr dbias, " + _SIZES,
+}
+# (kind, dtype, head dim) -> the kernel; kind: "fwd", "bwd", "mma_fwd" or "mma_bwd"
+_KERNELS = {
+    (kind, dtype, d): Kernel(SOURCE, f"window_attention_{kind}_{code}_d{d}", _PARAMS[kind[-3:]])
+    for kind in ("fwd", "bwd", "mma_fwd", "mma_bwd")
+    for dtype, code in _CODE.items()
+    for d in (32, 64)
+}
 _STATIC_SMEM = 48 * 1024  # above this a kernel must opt in to more dynamic shared memory
 
 # Which CUDA kernel pair runs window attention: "mma" (tensor-core mma.sync, sm_80+) or "scalar"
@@ -77,11 +92,6 @@ def _use_attention_kernel(q: torch.Tensor) -> bool:
     return False
 
 
-def _i64(value: int) -> Any:
-    """An int64 kernel argument (``_driver.run_kernel`` passes a plain int as int32)."""
-    return _cuda.numpy().int64(value)
-
-
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -106,11 +116,11 @@ def _mma_smem_bytes(d: int, backward: bool) -> int:
     return table + tiles + (2 * 64 * 72 * 2 if backward else 0)
 
 
-def _kernel(kind: str, dtype: torch.dtype, d: int, smem: int) -> tuple[str, Any]:
-    """The kernel's name and its CuPy function, with the function attributes its launches need
-    (set on the kernel's ``CUfunction``, so they hold for ``_driver``'s launches)."""
-    name = f"window_attention_{kind}_{_CODE[dtype]}_d{d}"
-    fn = _cuda.get_function(SOURCE, name)
+def _kernel(kind: str, dtype: torch.dtype, d: int, smem: int) -> tuple[Kernel, Any]:
+    """The kernel and its CuPy function, with the function attributes its launches need (set on
+    the kernel's ``CUfunction``, so they hold for the kernel's launches)."""
+    kernel = _KERNELS[kind, dtype, d]
+    fn = kernel.function()
     if smem > _STATIC_SMEM and fn.max_dynamic_shared_size_bytes < smem:
         fn.max_dynamic_shared_size_bytes = smem
     if kind.startswith("mma") and id(fn) not in _CARVED:
@@ -118,7 +128,7 @@ def _kernel(kind: str, dtype: torch.dtype, d: int, smem: int) -> tuple[str, Any]
         # memory (`_mma_blocks`), and these kernels read global memory once, through registers
         fn.preferred_shared_memory_carveout = 100
         _CARVED.add(id(fn))
-    return name, fn
+    return kernel, fn
 
 
 _CARVED: set[int] = set()
@@ -165,8 +175,8 @@ def _mma_ready(t: torch.Tensor) -> torch.Tensor:
     return t if ok else t.clone(memory_format=torch.contiguous_format)
 
 
-def _strides(t: torch.Tensor) -> tuple[Any, Any, Any]:
-    return _i64(t.stride(0)), _i64(t.stride(1)), _i64(t.stride(2))
+def _strides(t: torch.Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)
 
 
 # --------------------------------------------------------------------------------------------
@@ -176,12 +186,12 @@ def _strides(t: torch.Tensor) -> tuple[Any, Any, Any]:
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-    """One launch configuration: kernel name, grid, shared memory, the argument tail after
+    """One launch configuration: the kernel, grid, shared memory, the argument tail after
     the pointers (int64 strides, int32 sizes), and what a call with this metadata must still
     do per call (``align``: the q/k/v pointer bits that must be zero; bias/mask conversion to
     fp32)."""
 
-    name: str
+    kernel: Kernel
     grid: tuple[int, int]
     smem: int
     tail: tuple
@@ -214,11 +224,11 @@ def _make_plan(kernel: str, backward: bool, q, k, v, bias, mask) -> _Plan:
     tail += (windows, heads, n, nw)
     if kernel == "mma":
         smem = _mma_smem_bytes(d, backward)
-        name, fn = _kernel("mma_bwd" if backward else "mma_fwd", q.dtype, d, smem)
+        launcher, fn = _kernel("mma_bwd" if backward else "mma_fwd", q.dtype, d, smem)
         blocks = _mma_blocks(fn, windows, heads, nw, smem)
     else:
         smem = 4 * _smem_floats(n, d, backward)
-        name, _ = _kernel("bwd" if backward else "fwd", q.dtype, d, smem)
+        launcher, _ = _kernel("bwd" if backward else "fwd", q.dtype, d, smem)
         blocks = windows
         if backward:
             # Each block loops over windows of one head and adds its bias gradient once: about
@@ -226,7 +236,7 @@ def _make_plan(kernel: str, backward: bool, q, k, v, bias, mask) -> _Plan:
             sms = _cuda.num_sms(torch.cuda.current_device())
             blocks = max(1, min(windows, (8 * sms) // heads))
     return _Plan(
-        name,
+        launcher,
         (blocks, heads),
         smem,
         tail,
@@ -268,10 +278,7 @@ def _cached(kernel: str, dout, q, k, v, bias, mask, scale) -> _Plan | None:
 
 
 def _launch(plan: _Plan, tensors: tuple, scale: float) -> None:
-    _driver.run_kernel(
-        SOURCE, plan.name, plan.grid, _THREADS, *tensors, *plan.tail, float(scale),
-        shared_mem=plan.smem,
-    )  # fmt: skip
+    plan.kernel(plan.grid, _THREADS, *tensors, *plan.tail, scale, shared_mem=plan.smem)
 
 
 def _fp32(t: torch.Tensor | None, ready: bool) -> torch.Tensor | None:

@@ -16,14 +16,26 @@ from __future__ import annotations
 
 import torch
 
-from aiak.ops import _driver, _fused, _mta
+from aiak.ops import _fused, _mta
 from aiak.ops._capability import Capability, check_aligned_lists, check_hyper, declare
+from aiak.ops._driver import Kernel
 from aiak.ops._registry import define, record
 
 __all__ = ["fused_lamb_"]
 
 CAP = declare(Capability("fused_lamb_"))
-_SOURCE = "fused_lamb.cu"
+_STAGE1 = Kernel(
+    "fused_lamb.cu",
+    "fused_lamb_stage1",
+    "ptr table, i32 T, i32 D, ptr partials, f32 beta1, f32 beta2, f32 eps, f32 wd, "
+    "f32 max_grad_norm, i32 flags, ptr grad_norm, ptr grad_scale, ptr found_inf",
+)
+_STAGE2 = Kernel(
+    "fused_lamb.cu",
+    "fused_lamb_stage2",
+    "ptr table, i32 T, i32 D, i32 C, ptr partials, ptr lr_ptr, f32 lr, f32 wd, i32 flags, "
+    "ptr found_inf",
+)
 
 SCHEMA = (
     "fused_lamb_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
@@ -139,17 +151,15 @@ def _launch(a: Args, tab: _mta.Table) -> None:
     # Per-chunk sums of p^2 and u^2 from stage 1, reduced per tensor by stage 2.
     partials = torch.empty(2 * max(c, 1), dtype=torch.float32, device=device)
     if c:
-        hyper = (a.beta1, a.beta2, a.eps, a.weight_decay, a.max_grad_norm)
-        _driver.run_kernel(
-            _SOURCE, "fused_lamb_stage1", c, _fused.BLOCK,
-            tab.data, n, tab.depth, partials, *map(float, hyper), flags,
+        _STAGE1(
+            c, _fused.BLOCK, tab.data, n, tab.depth, partials,
+            a.beta1, a.beta2, a.eps, a.weight_decay, a.max_grad_norm, flags,
             a.grad_norm, a.grad_scale, a.found_inf,
         )  # fmt: skip
     # Blocks past the c chunks advance the n step counters (ceil(n / BLOCK) of them).
-    _driver.run_kernel(
-        _SOURCE, "fused_lamb_stage2", c + (n + _fused.BLOCK - 1) // _fused.BLOCK, _fused.BLOCK,
-        tab.data, n, tab.depth, c, partials, a.lr_tensor, float(a.lr), float(a.weight_decay),
-        flags, a.found_inf,
+    _STAGE2(
+        c + (n + _fused.BLOCK - 1) // _fused.BLOCK, _fused.BLOCK,
+        tab.data, n, tab.depth, c, partials, a.lr_tensor, a.lr, a.weight_decay, flags, a.found_inf,
     )  # fmt: skip
 
 

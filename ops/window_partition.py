@@ -12,16 +12,26 @@ import math
 
 import torch
 
-from aiak.ops import _cuda, _driver
+from aiak.ops import _cuda
 from aiak.ops import _window_attention_cuda as _wac
 from aiak.ops._capability import Capability, declare, use_kernel
+from aiak.ops._driver import Kernel
 from aiak.ops._registry import define
-from aiak.ops._window_attention_cuda import SOURCE, _i64
+from aiak.ops._window_attention_cuda import SOURCE
 from aiak.ops._window_attention_ref import FLOATS
 
 __all__ = ["roll_window_partition", "window_merge_roll"]
 
 PARTITION = declare(Capability("roll_window_partition", dtypes=FLOATS))
+# one gather per word size in bytes: whole token rows move in 16/8/4/2/1-byte words
+_GATHER = {
+    unit: Kernel(
+        SOURCE,
+        f"window_gather_{unit}",
+        "ptr src, ptr dst, i32 H, i32 W, i32 ws, i32 sh, i32 sw, i64 units, i64 total, i32 merge",
+    )
+    for unit in (16, 8, 4, 2, 1)
+}
 
 
 def _window_size(windows: torch.Tensor) -> int:
@@ -104,10 +114,10 @@ def _gather_cuda(
             unit = next(u for u in (16, 8, 4, 2, 1) if row % u == 0 and ptrs % u == 0)
             total = dst.numel() * dst.element_size() // unit
             blocks = max(1, min(-(-total // 256), 32 * _cuda.num_sms(device)))
-            tail = (h, w, ws, shift % h, shift % w, _i64(row // unit), _i64(total), int(merge))
-            plan = _GATHERS[(*key, device)] = (f"window_gather_{unit}", blocks, tail)
-        name, blocks, tail = plan
-        _driver.run_kernel(SOURCE, name, blocks, 256, src, dst, *tail)
+            tail = (h, w, ws, shift % h, shift % w, row // unit, total, int(merge))
+            plan = _GATHERS[(*key, device)] = (_GATHER[unit], blocks, tail)
+        kernel, blocks, tail = plan
+        kernel(blocks, 256, src, dst, *tail)
 
 
 # (src shape, dst numel, dtype, geometry, direction, pointer bits, device) -> launch plan
