@@ -224,7 +224,7 @@ def check_variables(env: Mapping[str, str]) -> list[Check]:
 
 def check_packages() -> list[Check]:
     rows = []
-    for mod, why in (("cupy", "aiak's CUDA kernels (NVRTC)"), ("numba", "numba-cuda kernels")):
+    for mod, why in (("cupy", "aiak's CUDA kernels (NVRTC)"),):
         found = importlib.util.find_spec(mod) is not None
         rows.append(
             Check(

@@ -15,7 +15,7 @@ Each op has one math in two implementations: its reference (plain PyTorch; the C
 and no-CuPy path, and the conformance ground truth) and its CUDA kernel. When a kernel cannot
 run (no CuPy, an unsupported dtype, ``AIAK_DISABLE_KERNELS=1``) the op warns once and runs the
 reference; :func:`backends` says which path each op takes here and why. Importing this package
-neither initialises CUDA nor imports cupy, numba or numpy.
+neither initialises CUDA nor imports cupy or numpy.
 
 One optimizer step, from ``FusedAdamW.step`` to the kernel (5 hops):
 
@@ -75,7 +75,7 @@ __all__ = [
 
 
 def backends() -> dict[str, Any]:
-    """What can run here and why not: torch, CUDA devices, CuPy, numba-cuda, and per op the
+    """What can run here and why not: torch, CUDA devices, CuPy, and per op the
     path a CUDA call takes (``"cupy"`` or ``"reference: <reasons>"``).
 
     Unlike ``import aiak.ops`` this initialises CUDA and imports cupy when they are present.
@@ -100,8 +100,6 @@ def backends() -> dict[str, Any]:
     info["cupy"] = {"available": reason is None, "reason": reason, "version": None}
     if reason is None:
         info["cupy"]["version"] = _cuda.cupy().__version__
-    reason = _cuda.numba_unavailable_reason()
-    info["numba_cuda"] = {"available": reason is None, "reason": reason}
     # the host helper is built only where a CUDA call would build it
     info["host_path"] = _host.status() if cuda_ok else "python: no CUDA device"
     ops: dict[str, str] = {}

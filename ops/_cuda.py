@@ -10,7 +10,6 @@ so they order correctly with torch's own kernels and are captured by CUDA graphs
 from __future__ import annotations
 
 import contextlib
-import importlib
 import importlib.util
 import os
 import re
@@ -185,33 +184,3 @@ SAME_DEVICE = contextlib.nullcontext()  # reusable
 
 def num_sms(device: int) -> int:
     return device_properties(device).multi_processor_count
-
-
-# --------------------------------------------------------------------------------------------
-# numba-cuda
-# --------------------------------------------------------------------------------------------
-
-
-def import_numba_cuda() -> Any:
-    """Import ``numba.cuda`` with the one shim it needs on numpy >= 2.5.
-
-    numba-cuda 0.30.4 calls ``np.row_stack``, removed in numpy 2.5; ``vstack`` is the same
-    function. This is the only place the shim lives.
-    """
-    import numpy as np
-
-    if not hasattr(np, "row_stack"):
-        np.row_stack = np.vstack
-    return importlib.import_module("numba.cuda")
-
-
-def numba_unavailable_reason() -> str | None:
-    """Why numba-cuda is not usable, or None. Looks the package up without importing it."""
-    if importlib.util.find_spec("numba") is None:
-        return "numba is not installed (pip install 'aiak[cuda12]' or 'aiak[cuda13]')"
-    if (
-        importlib.util.find_spec("numba_cuda") is None
-        and importlib.util.find_spec("numba.cuda") is None
-    ):
-        return "numba-cuda is not installed"
-    return None
