@@ -40,27 +40,20 @@ from typing import Any
 
 import torch
 
-from aiak.ops import _cuda, _host
+from aiak.ops import _capability, _cuda, _host
 from aiak.ops import dgc_select as _dgc_select  # noqa: F401 (registers aiak::dgc_select)
-from aiak.ops._capability import CAPABILITIES, Capability
-from aiak.ops._fused import Bound, bind
 from aiak.ops.cast_scale import cast_scale_
 from aiak.ops.fcos3d import fcos3d_targets
 from aiak.ops.fused_adam import fused_adam_
 from aiak.ops.fused_lamb import fused_lamb_
 from aiak.ops.fused_sgd import fused_sgd_
-from aiak.ops.multi_tensor_l2norm import BoundNorm, multi_tensor_l2norm
+from aiak.ops.multi_tensor_l2norm import multi_tensor_l2norm
 from aiak.ops.multi_tensor_scale import multi_tensor_scale_
 from aiak.ops.simota import simota_assign
 from aiak.ops.window_attention import roll_window_partition, window_merge_roll
 
 __all__ = [
-    "CAPABILITIES",
-    "Bound",
-    "BoundNorm",
-    "Capability",
     "backends",
-    "bind",
     "cast_scale_",
     "fcos3d_targets",
     "fused_adam_",
@@ -103,7 +96,7 @@ def backends() -> dict[str, Any]:
     # the host helper is built only where a CUDA call would build it
     info["host_path"] = _host.status() if cuda_ok else "python: no CUDA device"
     ops: dict[str, str] = {}
-    for name, cap in sorted(CAPABILITIES.items()):
+    for name, cap in sorted(_capability.CAPABILITIES.items()):
         if not cuda_ok:
             ops[name] = "reference: no CUDA device"
             continue

@@ -49,6 +49,22 @@ class Op:
     differentiable: bool
     reference: Callable[..., Any] | None = None
     Args: Any = None
+    binder: Callable[..., Any] | None = None
+
+    def bind(
+        self,
+        params: list[torch.Tensor],
+        rest: Any,
+        conform: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None,
+    ) -> Any:
+        """This op with ``params`` and every list after the grads (``rest``, up to
+        ``copy_to``) bound: ``bound(grads, *scalars)`` is ``op(params, grads, *rest,
+        *scalars)``, kept O(1) in Python per call while the tensors stay put (the fused
+        optimizer ops: ``ops/_fused.py`` ``Bound``). ``conform(grads)`` checks or adapts grads
+        that fail the fast path's checks (default: as they are)."""
+        if self.binder is None:
+            raise TypeError(f"{self.overload._schema.name} cannot be bound")
+        return self.binder(self, params, rest, conform)
 
     def __call__(self, *args: Any) -> Any:
         kernel = self.eager_kernel(args)
@@ -101,13 +117,15 @@ def define(
     cuda: Callable[..., Any] | None = None,
     fake: Callable[..., Any] | None = None,
     differentiable: bool = False,
+    binder: Callable[..., Any] | None = None,
 ) -> Op:
     """Declare ``aiak::<schema>``; returns the :class:`Op` (``.overload`` is the
     ``torch.ops.aiak.<name>.default`` overload).
 
     ``reference`` runs on every device without a kernel of its own (CPU included); ``cuda``
     is the CUDA kernel; ``fake`` computes output metadata for tracing; ``differentiable``: an
-    autograd formula is registered (``torch.library.register_autograd``) by the caller.
+    autograd formula is registered (``torch.library.register_autograd``) by the caller;
+    ``binder``: what :meth:`Op.bind` calls.
     """
     name = schema.split("(", 1)[0]
     qualname = f"aiak::{name}"
@@ -119,7 +137,7 @@ def define(
     if fake is not None:
         torch.library.register_fake(qualname, fake, lib=LIB)
     overload = getattr(torch.ops.aiak, name).default
-    return Op(overload, cuda, written, differentiable, reference, record(schema))
+    return Op(overload, cuda, written, differentiable, reference, record(schema), binder)
 
 
 @functools.cache

@@ -145,4 +145,5 @@ fused_adam_ = define(
     _fused.positional(_reference, Args),
     cuda=_fused.cuda_impl(KERNEL, Args),
     fake=_fused.positional(_check, Args),  # the op returns nothing: the fake only validates
+    binder=_fused.bind,
 )

@@ -130,4 +130,5 @@ fused_sgd_ = define(
     _fused.positional(_reference, Args),
     cuda=_fused.cuda_impl(KERNEL, Args),
     fake=_fused.positional(_check, Args),
+    binder=_fused.bind,
 )
