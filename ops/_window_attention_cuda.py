@@ -9,8 +9,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import threading
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -22,13 +20,22 @@ from aiak.ops._capability import Capability, declare, use_kernel
 from aiak.ops._driver import Kernel
 from aiak.ops._window_attention_ref import (
     HALF,
+    HEAD_DIMS,
+    MAX_TOKENS,
     _attention_backward_reference,
     _attention_reference,
     _check_attention,
     _shape_reasons,
 )
 
-ATTN = declare(Capability("window_attention", dtypes=HALF))
+ATTN = declare(
+    Capability(
+        "window_attention",
+        dtypes=HALF,
+        input_reasons=_shape_reasons,
+        conditions=(f"N <= {MAX_TOKENS} tokens per window", f"head_dim in {HEAD_DIMS}"),
+    )
+)
 SOURCE = "window_attention.cu"
 _CODE = {torch.float16: "f16", torch.bfloat16: "bf16"}
 _THREADS = 128  # WA_THREADS in the source
@@ -57,9 +64,6 @@ DEFAULT_KERNEL = "mma"
 KERNEL_CHOICES = ("mma", "scalar")
 _MMA_MIN_CC = (8, 0)
 
-_shape_warned: set[str] = set()
-_shape_lock = threading.Lock()
-
 
 def attention_kernel(device: torch.device) -> str:
     """The CUDA kernel pair window attention uses on ``device``: ``"mma"`` or ``"scalar"``.
@@ -78,18 +82,7 @@ def attention_kernel(device: torch.device) -> str:
 
 
 def _use_attention_kernel(q: torch.Tensor) -> bool:
-    if not use_kernel(ATTN, q.device, (q.dtype,)):
-        return False
-    reasons = _shape_reasons(q)
-    if not reasons:
-        return True
-    key = "; ".join(reasons)
-    with _shape_lock:
-        first = key not in _shape_warned
-        _shape_warned.add(key)
-    if first:
-        warnings.warn("falling back to the PyTorch reference: " + key, RuntimeWarning, stacklevel=3)
-    return False
+    return use_kernel(ATTN, q.device, (q.dtype,), (q,))
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:

@@ -15,13 +15,13 @@ from __future__ import annotations
 import torch
 
 from aiak.ops import _fused, _mta
-from aiak.ops._capability import Capability, check_aligned_lists, check_hyper, declare
+from aiak.ops._capability import check_aligned_lists, check_hyper
 from aiak.ops._driver import Kernel
 from aiak.ops._registry import define, record
 
 __all__ = ["fused_adam_"]
 
-CAP = declare(Capability("fused_adam_"))
+CAP = _fused.capability("fused_adam_")
 _SOURCE = "fused_adam.cu"
 _ADAM = Kernel(
     _SOURCE,

@@ -20,18 +20,16 @@ import torch
 
 from aiak.ops import _fused, _mta
 from aiak.ops._capability import (
-    Capability,
     check_aligned_lists,
     check_hyper,
     check_scalar_tensor,
-    declare,
 )
 from aiak.ops._driver import Kernel
 from aiak.ops._registry import define, record
 
 __all__ = ["fused_lamb_"]
 
-CAP = declare(Capability("fused_lamb_"))
+CAP = _fused.capability("fused_lamb_")
 _STAGE1 = Kernel(
     "fused_lamb.cu",
     "fused_lamb_stage1",

@@ -177,15 +177,23 @@ MERGE_OP = define(
 )
 
 
+# The autograd formulas, written once (each op's gradient is the other op): the registered
+# ops run them through the dispatcher, the eager path (below) with the CUDA kernels called
+# directly.
+
+
 def _partition_setup(ctx, inputs, output) -> None:
     x, _, shift = inputs
     ctx.hw = (x.shape[1], x.shape[2])
     ctx.shift = shift
 
 
+def _partition_grads(ctx, grad, merge):
+    return merge(grad.contiguous(), *ctx.hw, ctx.shift), None, None
+
+
 def _partition_backward(ctx, grad):
-    h, w = ctx.hw
-    return torch.ops.aiak.window_merge_roll(grad.contiguous(), h, w, ctx.shift), None, None
+    return _partition_grads(ctx, grad, torch.ops.aiak.window_merge_roll)
 
 
 def _merge_setup(ctx, inputs, output) -> None:
@@ -194,9 +202,12 @@ def _merge_setup(ctx, inputs, output) -> None:
     ctx.shift = shift
 
 
+def _merge_grads(ctx, grad, partition):
+    return partition(grad.contiguous(), ctx.window, ctx.shift), None, None, None
+
+
 def _merge_backward(ctx, grad):
-    x = torch.ops.aiak.roll_window_partition(grad.contiguous(), ctx.window, ctx.shift)
-    return x, None, None, None
+    return _merge_grads(ctx, grad, torch.ops.aiak.roll_window_partition)
 
 
 torch.library.register_autograd(
@@ -208,28 +219,30 @@ torch.library.register_autograd(
 
 
 class _EagerPartition(torch.autograd.Function):
-    """The op and its gradient with the gather launched directly (the eager path; see
+    """The op's formula with the gathers launched directly (the eager path; see
     ``window_attention._EagerAttention``)."""
 
     @staticmethod
-    def forward(ctx, x, window, shift):
-        ctx.hw, ctx.shift = (x.shape[1], x.shape[2]), shift
-        return _partition_cuda(x, window, shift)
+    def forward(ctx, *inputs):
+        out = _partition_cuda(*inputs)
+        _partition_setup(ctx, inputs, out)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        return _merge_cuda(grad, *ctx.hw, ctx.shift), None, None
+        return _partition_grads(ctx, grad, _merge_cuda)
 
 
 class _EagerMerge(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, windows, h, w, shift):
-        ctx.window, ctx.shift = _window_size(windows), shift
-        return _merge_cuda(windows, h, w, shift)
+    def forward(ctx, *inputs):
+        out = _merge_cuda(*inputs)
+        _merge_setup(ctx, inputs, out)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        return _partition_cuda(grad, ctx.window, ctx.shift), None, None, None
+        return _merge_grads(ctx, grad, _partition_cuda)
 
 
 def roll_window_partition(x: torch.Tensor, window: int, shift: int = 0) -> torch.Tensor:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import struct
+import warnings
 
 import pytest
 import torch
@@ -38,7 +39,9 @@ def test_capability_reasons_on_cpu_and_for_dtypes() -> None:
 
 def test_backends_reports_why_not() -> None:
     info = aiak.ops.backends()
-    assert set(info) >= {"torch", "cuda", "cupy", "ops"}
+    assert set(info) >= {"torch", "cuda", "cupy", "ops", "conditions"}
+    assert "head_dim in (32, 64)" in info["conditions"]["window_attention"]
+    assert set(info["conditions"]) >= {"fused_adam_", "fused_sgd_", "fused_lamb_"}
     assert set(info["ops"]) >= {"multi_tensor_l2norm", "multi_tensor_scale_"}
     if not torch.cuda.is_available():
         assert info["cuda"]["reason"] and all(
@@ -46,6 +49,24 @@ def test_backends_reports_why_not() -> None:
         )
     if not info["cupy"]["available"]:
         assert "cupy" in info["cupy"]["reason"]
+
+
+def test_input_reasons_join_the_capability_and_warn_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    cap = _capability.Capability(
+        "demo", input_reasons=lambda n: [f"demo: n = {n} > 4"] if n > 4 else []
+    )
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(_cuda, "cupy_unavailable_reason", lambda: None)
+    monkeypatch.setattr(_cuda, "device_capability", lambda device: (9, 0))
+    assert cap.not_supported_reasons(cuda, (torch.float32,), (5,)) == ["demo: n = 5 > 4"]
+    assert cap.not_supported_reasons(cuda, (torch.float32,), (3,)) == []
+    _capability.clear_warnings()
+    assert _capability.use_kernel(cap, cuda, (torch.float32,), (3,))
+    with pytest.warns(RuntimeWarning, match="demo: n = 5 > 4"):
+        assert not _capability.use_kernel(cap, cuda, (torch.float32,), (5,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per reason set
+        assert not _capability.use_kernel(cap, cuda, (torch.float32,), (5,))
 
 
 def test_is_dense() -> None:
