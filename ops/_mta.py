@@ -1,11 +1,12 @@
-"""Multi-tensor apply, and the one host cache of aiak's ops.
+"""Multi-tensor apply, and the device tables' cache (every cache of ``ops/``, with its key and
+why, is listed in docs/ops.md "Caches").
 
 apex and torch pack up to ~110 tensor addresses into each launch's 4 KB argument buffer and
 launch again for the rest. Here the addresses, sizes and chunk map of the whole set live in one
 small int64 device tensor instead (layout at the top of ``kernels/mta_common.cuh``), so any
 number of tensors takes one launch with ``grid = number of chunks``.
 
-The host cache (the only one): ``_cache`` maps a key to the :class:`Table` of a tensor set an
+The tables' cache: ``_cache`` maps a key to the :class:`Table` of a tensor set an
 op has validated. Key: the op's name and, per list, the tensors' addresses, sizes, dtypes and
 devices, all contiguous (:func:`key`, one C++ call: ``ops/_host.py``). A hit therefore means
 "this op checked this exact set before"; a set with a non-contiguous tensor has no key and is
