@@ -19,12 +19,12 @@ def fused() -> Fused:
     return Fused(OP, make_args)
 
 
-def test_global_norm_in_parts_is_their_root_sum_of_squares() -> None:
-    """One part per device: the op combines them as sqrt(sum of squares), as one norm."""
-    whole, parts = (
-        make_args(grad_norms=[torch.tensor(5.0)]),
-        make_args(grad_norms=[torch.tensor(3.0), torch.tensor(4.0)]),
-    )
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_global_norm_in_parts_is_their_root_sum_of_squares(device: str) -> None:
+    """One part per device: the op combines them as sqrt(sum of squares), as one norm (on
+    CUDA one part on the CPU, one on the GPU, as a multi-device LAMB passes them)."""
+    whole = make_args(device, grad_norms=[torch.tensor(5.0, device=device)])
+    parts = make_args(device, grad_norms=[torch.tensor(3.0), torch.tensor(4.0, device=device)])
     OP(*whole)
     OP(*parts)
     for a, b in zip(whole.params, parts.params):
