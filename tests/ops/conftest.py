@@ -1,4 +1,4 @@
-"""Fixtures of the op tests: ``recorder`` (tests/ops/_recorder.py)."""
+"""Fixtures of the op tests: ``recorder`` (tests/_recorder.py)."""
 
 from _recorder import recorder
 

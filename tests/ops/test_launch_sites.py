@@ -1,5 +1,5 @@
 """Every kernel's declaration against its source, and every op's launch call sites run on the
-CPU through the real launcher with ``cuLaunchKernelEx`` recorded (``_recorder.py``): the
+CPU through the real launcher with ``cuLaunchKernelEx`` recorded (``tests/_recorder.py``): the
 parameter count and types a call site packs, and named values read back where the kernel
 reads them."""
 
