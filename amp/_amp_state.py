@@ -16,7 +16,7 @@ Where each O2 duty happens, and why there:
 - ``zero_grad`` also clears the half model grads: a step skipped by GradScaler must not leave
   its inf grads behind for the next backward to accumulate onto.
 
-Host cost per step (``benchmarks/profile_amp_host.py``): the GradScaler's ``.item()`` makes the
+Host cost per step (``research/profile_amp_host.py``): the GradScaler's ``.item()`` makes the
 host finish everything after backward while the GPU waits, so every per-tensor Python statement
 of the step path is exposed time (~1-2 µs each on the H100 machine's host, 161-170 tensors).
 The copies therefore run from cached :class:`~aiak.amp._multi_tensor.Plan` objects, checked
@@ -91,7 +91,7 @@ class AmpState:
         # _foreach_copy_ (``copy_backend``): one C++ call, which costs the host less than a
         # call of the op (H100 host, 161 ResNet-50-shaped params, 55 with masters: copy-back
         # 86 vs 510 µs, grad copy 323 vs 1237 µs when backward makes new grads;
-        # benchmarks/profile_amp_host.py). The GPU work is the same pass either way.
+        # research/profile_amp_host.py). The GPU work is the same pass either way.
         self.backend = _multi_tensor.default_backend()
         self.copy_backend = "foreach"
         self.loss_scalers = [LossScaler(policy) for _ in range(num_losses)]

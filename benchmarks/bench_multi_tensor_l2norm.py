@@ -17,6 +17,7 @@ import torch
 from _compare import apex_module, cli
 
 import aiak.ops
+from aiak.ops.multi_tensor_l2norm import BoundNorm
 
 
 def cases(set_name, shapes):
@@ -25,7 +26,7 @@ def cases(set_name, shapes):
     yield "l2norm", nbytes, "aiak", lambda: aiak.ops.multi_tensor_l2norm(ts, True)
     # The stable-set path (LAMB's grad norm, clipping in a loop): the total only, the device
     # table kept while the addresses stay those of the last call.
-    bound = aiak.ops.BoundNorm()
+    bound = BoundNorm()
     yield "l2norm", nbytes, "aiak BoundNorm", lambda: bound(ts)
 
     def foreach() -> None:

@@ -142,8 +142,8 @@ class Batch:
     """Allreduces held back so that consecutive buckets leave in one coalesced call.
 
     A collective call costs the host the same whether it carries one bucket or several: on
-    2 x H200 ProcessGroupNCCL's enqueue took 100-190 µs per call (benchmarks/results/
-    comm_nccl_notes.md), which on a host-bound step is step time. ``allreduce_coalesced`` puts
+    2 x H200 ProcessGroupNCCL's enqueue took 100-190 µs per call (research/comm_nccl_notes.md),
+    which on a host-bound step is step time. ``allreduce_coalesced`` puts
     the held buckets in one NCCL group launch (gloo flattens them into one allreduce). Which
     buckets share a call must be the same on every rank, so the top-level hook flushes at
     fixed bucket indices, never on timing. The price: a held bucket starts its transfer one

@@ -6,7 +6,7 @@ bucket) stalls those launches for as long as the GPU takes to reach the bucket; 
 the wait costs the backward nothing (12 x Linear(4096) on 2 x H200: +1.75 ms vs +2.35 ms
 inline). For hooks that do not wait, the thread hand-offs (a GIL hand-off per torch call) cost
 more than their Python saves the autograd thread (fp16: +0.48 vs +0.26 ms), so they stay inline
-unless asked (``comm.register(..., offload=True)``); ``benchmarks/results/comm_nccl_notes.md``.
+unless asked (``comm.register(..., offload=True)``); ``research/comm_nccl_notes.md``.
 
 With offloading, the hook only records an event on the current stream (the bucket's gradients
 are ready there) and queues the bucket; a worker thread runs the hook on a side stream that

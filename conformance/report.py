@@ -38,7 +38,7 @@ def _driver() -> str | None:
 
 
 def environment(device: torch.device) -> dict[str, Any]:
-    """Device name, compute capability, driver, CUDA, torch, cupy, numba versions, the date."""
+    """Device name, compute capability, driver, CUDA, torch and cupy versions, the date."""
     env: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": str(device),
@@ -50,8 +50,6 @@ def environment(device: torch.device) -> dict[str, Any]:
         "cupy": next(
             filter(None, (_version(d) for d in ("cupy-cuda13x", "cupy-cuda12x", "cupy"))), None
         ),
-        "numba": _version("numba"),
-        "numba_cuda": _version("numba-cuda"),
         "python": platform.python_version(),
         "aiak": _version("aiak"),
     }
@@ -92,7 +90,7 @@ def markdown(env: dict[str, Any], results: Sequence[Result]) -> str:
         "",
         f"{env['date']} · {env['device_name']} ({env['device']}, cc {env['compute_capability']}, "
         f"driver {env['driver']}, CUDA {env['cuda']}) · torch {env['torch']} · "
-        f"cupy {env['cupy']} · numba {env['numba']} / numba-cuda {env['numba_cuda']}",
+        f"cupy {env['cupy']}",
         "",
         f"**{s['passed']} passed, {s['failed']} failed** ({s['checks']} checks in "
         f"{s['cases']} cases)",

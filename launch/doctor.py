@@ -368,7 +368,7 @@ def check_hosts(spec: str, port: int, timeout: float = 3.0) -> list[Check]:
 
 def check_packages() -> list[Check]:
     rows = []
-    for mod, why in (("cupy", "aiak's CUDA kernels (NVRTC)"), ("numba", "numba-cuda kernels")):
+    for mod, why in (("cupy", "aiak's CUDA kernels (NVRTC)"),):
         found = importlib.util.find_spec(mod) is not None
         rows.append(
             Check(

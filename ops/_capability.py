@@ -1,7 +1,10 @@
 """What each op's CUDA kernel supports, as data; why a call falls back; input checks.
 
 ``Capability.not_supported_reasons`` feeds both the choice of implementation (kernel, or the
-PyTorch reference with a one-time warning naming the reasons) and ``aiak.ops.backends()``.
+PyTorch reference with a one-time warning naming the reasons) and ``aiak.ops.backends()``:
+the device's reasons (no CUDA, CuPy, compute capability, ``AIAK_DISABLE_KERNELS``), the
+dtypes', and the shape and layout reasons of one call's inputs (``input_reasons``; stated for
+``backends()`` as ``conditions``).
 Input errors (wrong types, mismatched lists, mixed devices) are not fallbacks: they raise
 ``TypeError``/``ValueError`` naming the argument, the same on every device and path.
 """
@@ -12,7 +15,8 @@ import dataclasses
 import operator
 import threading
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -25,18 +29,34 @@ REFERENCE_DTYPES = (*FLOAT_DTYPES, torch.float64)
 
 @dataclasses.dataclass(frozen=True)
 class Capability:
-    """What the CUDA kernel of op ``name`` handles; anything else runs the reference."""
+    """What the CUDA kernel of op ``name`` handles; anything else runs the reference.
+
+    ``input_reasons(*inputs)``: the shape and layout reasons one call's inputs cannot take the
+    kernel (empty when they can); ``conditions``: the same rules in words, for ``backends()``.
+    """
 
     name: str
     dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES
     backend: str = "cupy"
     min_compute_capability: tuple[int, int] = (7, 0)
     deterministic: bool = True
+    input_reasons: Callable[..., list[str]] | None = None
+    conditions: tuple[str, ...] = ()
 
     def not_supported_reasons(
-        self, device: torch.device, dtypes: Iterable[torch.dtype] = ()
+        self,
+        device: torch.device,
+        dtypes: Iterable[torch.dtype] = (),
+        inputs: tuple[Any, ...] | None = None,
     ) -> list[str]:
-        """Why the kernel cannot run on ``device`` for ``dtypes``; empty when it can."""
+        """Why the kernel cannot run on ``device`` for ``dtypes`` (and, given, ``inputs``);
+        empty when it can."""
+        reasons = self._device_reasons(device, dtypes)
+        if inputs is not None and self.input_reasons is not None:
+            reasons += self.input_reasons(*inputs)
+        return reasons
+
+    def _device_reasons(self, device: torch.device, dtypes: Iterable[torch.dtype]) -> list[str]:
         reasons: list[str] = []
         if device.type != "cuda":
             return [f"{self.name}: the kernel runs on cuda, not {device.type}"]
@@ -74,21 +94,34 @@ def clear_warnings() -> None:
         _warned.clear()
 
 
-def use_kernel(cap: Capability, device: torch.device, dtypes: Iterable[torch.dtype]) -> bool:
+def use_kernel(
+    cap: Capability,
+    device: torch.device,
+    dtypes: Iterable[torch.dtype],
+    inputs: tuple[Any, ...] | None = None,
+) -> bool:
     """True when the CUDA kernel can run; otherwise warn once (per reason set) and say False.
 
     A "yes" for (op, device, dtypes) is remembered (CuPy and the device do not change within a
-    process); ``AIAK_DISABLE_KERNELS`` is read on every call, so it can be switched any time.
+    process); ``AIAK_DISABLE_KERNELS`` is read on every call, so it can be switched any time;
+    ``inputs`` (given) are checked by ``cap.input_reasons`` on every call.
     """
     if type(dtypes) is not tuple and type(dtypes) is not frozenset:
         dtypes = frozenset(dtypes)
     key = (cap.name, device, dtypes)
-    if key in _usable and not _cuda.kernels_disabled():
-        return True
-    reasons = cap.not_supported_reasons(device, dtypes)
-    if not reasons:
+    if key not in _usable or _cuda.kernels_disabled():
+        reasons = cap.not_supported_reasons(device, dtypes)
+        if reasons:
+            return _fall_back(cap, reasons)
         _usable.add(key)
-        return True
+    if inputs is not None and cap.input_reasons is not None:
+        reasons = cap.input_reasons(*inputs)
+        if reasons:
+            return _fall_back(cap, reasons)
+    return True
+
+
+def _fall_back(cap: Capability, reasons: list[str]) -> bool:
     key = (cap.name, tuple(reasons))
     with _warn_lock:
         first = key not in _warned
@@ -97,7 +130,7 @@ def use_kernel(cap: Capability, device: torch.device, dtypes: Iterable[torch.dty
         warnings.warn(
             "falling back to the PyTorch reference: " + "; ".join(reasons),
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
     return False
 

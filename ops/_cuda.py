@@ -1,22 +1,19 @@
 """Kernel compilation and the CUDA context around a launch: CuPy RawModule and stream
 caches, the current device, kernel sources and their ``#define``s.
 
-Everything here is lazy: importing this module imports neither cupy nor numba and does not
-initialise CUDA. Kernels are CUDA C++ files in ``ops/kernels/`` compiled at run time by NVRTC
-through CuPy (no build step at install). They launch through ``ops/_driver.py`` only, on
-torch's current stream, so they order correctly with torch's own kernels and are captured by
-CUDA graphs like them.
+Everything here is lazy: importing this module imports no cupy and does not initialise CUDA.
+Kernels are CUDA C++ files in ``ops/kernels/`` compiled at run time by NVRTC through CuPy (no
+build step at install). They launch through ``ops/_driver.py`` only, on torch's current stream,
+so they order correctly with torch's own kernels and are captured by CUDA graphs like them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import importlib.util
 import os
 import re
 import threading
-import warnings
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -34,7 +31,6 @@ DEFAULT_OPTIONS: tuple[str, ...] = ("-std=c++17",)
 _lock = threading.Lock()
 _modules: dict[tuple[str, tuple[str, ...], int], Any] = {}
 _functions: dict[tuple[str, str, tuple[str, ...], int], Any] = {}
-_streams: dict[tuple[int, int], Any] = {}
 
 
 def kernels_disabled() -> bool:
@@ -125,10 +121,9 @@ def _device_index_slow() -> int:
     return torch.cuda.current_device()
 
 
-# torch.cuda.current_device() re-runs its lazy-init and fork checks on every call (2.2 µs per
-# call on the H100 machine's host, four calls per single-tensor op); once CUDA is initialised,
-# which every caller here has done by holding a CUDA tensor, the C call alone is the same value
-# (0.3 µs).
+# torch.cuda.current_device() re-runs its lazy-init and fork checks on every call (~2 µs);
+# once CUDA is initialised, which every caller here has done by holding a CUDA tensor, the C
+# call alone gives the same value.
 device_index = getattr(torch._C, "_cuda_getDevice", _device_index_slow)
 
 
@@ -165,42 +160,6 @@ def _raw_stream_slow(device: int) -> int:
 raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _raw_stream_slow)
 
 
-def current_stream() -> Any:
-    """A ``cupy.cuda.ExternalStream`` for torch's current stream, cached per (device, stream):
-    where ``ops/_driver.py`` hands a launch to CuPy (no libcuda, no driver handle).
-
-    Building an ExternalStream costs about three launches; cached, a launch costs about what a
-    torch op's does.
-    """
-    device = device_index()
-    key = (device, raw_stream(device))
-    stream = _streams.get(key)
-    if stream is None:
-        ts = torch.cuda.current_stream()
-        with warnings.catch_warnings():
-            # CuPy 14 deprecates ExternalStream in favour of Stream.from_external(obj) for
-            # objects with __cuda_stream__, which torch 2.4 streams lack; the pointer form works
-            # on every CuPy we support.
-            warnings.simplefilter("ignore", DeprecationWarning)
-            stream = cupy().cuda.ExternalStream(ts.cuda_stream, ts.device_index)
-        _streams[key] = stream
-    return stream
-
-
-def numpy() -> Any:
-    """numpy, imported on first use (``import aiak.ops`` stays free of it): kernel arguments
-    of other types than int32, float32 and pointers are numpy scalars (``ops/_driver.py``)."""
-    global _np
-    if _np is None:
-        import numpy as np
-
-        _np = np
-    return _np
-
-
-_np: Any = None
-
-
 @cache
 def device_properties(device: int) -> Any:
     return torch.cuda.get_device_properties(device)
@@ -225,33 +184,3 @@ SAME_DEVICE = contextlib.nullcontext()  # reusable
 
 def num_sms(device: int) -> int:
     return device_properties(device).multi_processor_count
-
-
-# --------------------------------------------------------------------------------------------
-# numba-cuda
-# --------------------------------------------------------------------------------------------
-
-
-def import_numba_cuda() -> Any:
-    """Import ``numba.cuda`` with the one shim it needs on numpy >= 2.5.
-
-    numba-cuda 0.30.4 calls ``np.row_stack``, removed in numpy 2.5; ``vstack`` is the same
-    function. This is the only place the shim lives.
-    """
-    import numpy as np
-
-    if not hasattr(np, "row_stack"):
-        np.row_stack = np.vstack
-    return importlib.import_module("numba.cuda")
-
-
-def numba_unavailable_reason() -> str | None:
-    """Why numba-cuda is not usable, or None. Looks the package up without importing it."""
-    if importlib.util.find_spec("numba") is None:
-        return "numba is not installed (pip install 'aiak[cuda12]' or 'aiak[cuda13]')"
-    if (
-        importlib.util.find_spec("numba_cuda") is None
-        and importlib.util.find_spec("numba.cuda") is None
-    ):
-        return "numba-cuda is not installed"
-    return None

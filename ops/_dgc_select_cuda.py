@@ -5,13 +5,13 @@ stop can happen), a workspace allocated once per (device, stream, sizes) and reu
 
 from __future__ import annotations
 
-import ctypes
 import threading
 from collections import OrderedDict
 
 import torch
 
-from aiak.ops import _cuda, _driver
+from aiak.ops import _cuda
+from aiak.ops._driver import Kernel
 
 _SOURCE = "dgc_select.cu"
 _DEFINES = _cuda.defines(_SOURCE)
@@ -44,19 +44,22 @@ def _workspace_bytes(m: int, tiles: int, nthr: int, cap: int) -> int:
     return fixed + per + _r16(4 * tiles * cap) + _r16(2 * tiles * cap)
 
 
-_P, _I64, _I32, _F64 = ctypes.c_uint64, ctypes.c_int64, ctypes.c_int32, ctypes.c_double
-_GEOM = (_P, _I64, _I64, _I64, _I32, _I32)  # base, n, m, tiles, nthr, cap
-_LOOP = (_F64, _F64, _I32, _I32)  # upper, lower, iters, resample
-# each kernel's parameters, as in dgc_select.cu
-_ARGTYPES = {
-    "dgc_sample_hist": (_P, _P, *_GEOM, _I64, _I64, _I64),
-    "dgc_sample_finish": (*_GEOM, *_LOOP),
-    "dgc_count_fast": (_P, *_GEOM, _I32, _I64, *_LOOP),
-    "dgc_count_reg": (_P, *_GEOM, _I32, _I64, *_LOOP, _I32),
-    "dgc_count_search": (_P, *_GEOM, _I32, _I64, *_LOOP, _I32),
-    "dgc_exact_hist": (_P, *_GEOM, _I32, _I32),
-    "dgc_exact_counts": (_P, *_GEOM, _I32),
-    "dgc_write": (_P, *_GEOM, _I32, _I64, _P, _P),
+_GEOM = "ptr base, i64 n, i64 m, i64 tiles, i32 nthr, i32 cap, "
+_LOOP = "f64 upper, f64 lower, i32 iters, i32 resample"
+_PARAMS = {
+    "dgc_sample_hist": "ptr x, ptr sidx, " + _GEOM + "i64 start, i64 stride, i64 ks",
+    "dgc_sample_finish": _GEOM + _LOOP,
+    "dgc_count_fast": "ptr x, " + _GEOM + "i32 vec, i64 k, " + _LOOP,
+    "dgc_count_reg": "ptr x, " + _GEOM + "i32 vec, i64 k, " + _LOOP + ", i32 gate",
+    "dgc_count_search": "ptr x, " + _GEOM + "i32 vec, i64 k, " + _LOOP + ", i32 gate",
+    "dgc_exact_hist": "ptr x, " + _GEOM + "i32 vec, i32 pass",
+    "dgc_exact_counts": "ptr x, " + _GEOM + "i32 vec",
+    "dgc_write": "ptr x, " + _GEOM + "i32 vec, i64 k, ptr values, ptr indices",
+}
+# every launch after the first starts while the one before still runs (dgc_select.cu)
+_KERNELS = {
+    name: Kernel(_SOURCE, name, params, after_previous=name != "dgc_sample_hist")
+    for name, params in _PARAMS.items()
 }
 
 
@@ -88,15 +91,9 @@ class _Workspace:
         # resample mode counts the loop's first _NFAST states, then (gated on the device) all
         self.fast = resample and nthr > NFAST
         names = ("dgc_sample_hist", "dgc_sample_finish", "dgc_exact_hist", "dgc_exact_counts")
-        self.fns = {name: _kernel(name) for name in (*names, "dgc_write")}
-        self.fns["count"] = _kernel(count)
-        self.fns["count_fast"] = _kernel("dgc_count_fast")
-
-
-def _kernel(name: str) -> _driver.DriverKernel:
-    # every launch after the first starts while the one before still runs (dgc_select.cu)
-    fn = _cuda.get_function(_SOURCE, name)
-    return _driver.DriverKernel(fn, _ARGTYPES[name], after_previous=name != "dgc_sample_hist")
+        self.fns = {name: _KERNELS[name] for name in (*names, "dgc_write")}
+        self.fns["count"] = _KERNELS[count]
+        self.fns["count_fast"] = _KERNELS["dgc_count_fast"]
 
 
 # Workspaces are kept per (device, stream, n, num_samples, thresholds, capacity): a DGC hook

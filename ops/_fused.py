@@ -32,6 +32,7 @@ from aiak.ops import _cuda, _host, _mta
 from aiak.ops._capability import (
     Capability,
     check_scalar_tensor,
+    declare,
     is_dense,
     same_layouts,
     use_kernel,
@@ -121,14 +122,35 @@ def kernel_table(k: Kernel, a: Any) -> _mta.Table | None:
         return None
     device = k.check(a)
     dtypes = set(map(_dtype, a.params)) | set(map(_dtype, a.copy_to))
-    if not use_kernel(k.cap, device, dtypes):
+    if not use_kernel(k.cap, device, dtypes, (a, lists)):
         return None
-    if not (all(map(_is_contiguous, a.params)) or all(map(is_dense, a.params))):
-        return None  # the kernel walks memory linearly: a strided view takes the reference
-    if not same_layouts([ts for ts in lists if ts is not getattr(a, "state_steps", None)]):
-        return None  # lists laid out unlike the params: the reference takes any strides
     with _cuda.on_device(device):
         return _mta.table(lists, device, k.cap.name)
+
+
+LAYOUT_CONDITIONS = (
+    "params dense (contiguous, channels_last, a transpose...)",
+    "every list laid out as the params",
+)
+
+
+def layout_reasons(op: str) -> Callable[[Any, list], list[str]]:
+    """The fused op ``op``'s layout reasons (``Capability.input_reasons``) for its record and
+    its table's lists: the kernels walk every list's memory linearly, in the params' order."""
+
+    def reasons(a: Any, lists: list) -> list[str]:
+        if not (all(map(_is_contiguous, a.params)) or all(map(is_dense, a.params))):
+            return [f"{op}: a param is a strided view (not dense)"]
+        if not same_layouts([ts for ts in lists if ts is not getattr(a, "state_steps", None)]):
+            return [f"{op}: a list is laid out unlike the params (other strides)"]
+        return []
+
+    return reasons
+
+
+def capability(op: str) -> Capability:
+    """The declared capability of fused op ``op``: the default dtypes, and its layouts."""
+    return declare(Capability(op, input_reasons=layout_reasons(op), conditions=LAYOUT_CONDITIONS))
 
 
 def cuda_impl(k: Kernel, fields: type) -> Callable[..., None]:

@@ -2,9 +2,9 @@
 
 A multi-tensor op on a stable tensor set asks, per call, whether this is the set it validated
 and uploaded before: every tensor's address, size, dtype and contiguity. From Python each of
-those is a pass of attribute calls, 8 to 15 µs on ResNet-50's 161 tensors (the L2 norm op made
-five per call, so its host time was 2.4x its GPU time); ``_host.cpp`` reads all of them in one
-C++ loop, about 1.6 µs (benchmarks/bench_multi_tensor_l2norm.py prints both paths).
+those is a pass of attribute calls over the list; ``_host.cpp`` reads all of them in one C++
+loop (161 tensors: ~1.6 µs against 8-15 µs a pass; benchmarks/bench_multi_tensor_l2norm.py
+prints both paths).
 
 ``_host.cpp`` is compiled with the system C++ compiler on the first CUDA call that needs it
 (about 16 s, once: the library is kept under ``$AIAK_CACHE_DIR``, default ``~/.cache/aiak``,

@@ -1,11 +1,12 @@
-"""Multi-tensor apply, and the one host cache of aiak's ops.
+"""Multi-tensor apply, and the device tables' cache (every cache of ``ops/``, with its key and
+why, is listed in docs/ops.md "Caches").
 
 apex and torch pack up to ~110 tensor addresses into each launch's 4 KB argument buffer and
 launch again for the rest. Here the addresses, sizes and chunk map of the whole set live in one
 small int64 device tensor instead (layout at the top of ``kernels/mta_common.cuh``), so any
 number of tensors takes one launch with ``grid = number of chunks``.
 
-The host cache (the only one): ``_cache`` maps a key to the :class:`Table` of a tensor set an
+The tables' cache: ``_cache`` maps a key to the :class:`Table` of a tensor set an
 op has validated. Key: the op's name and, per list, the tensors' addresses, sizes, dtypes and
 devices, all contiguous (:func:`key`, one C++ call: ``ops/_host.py``). A hit therefore means
 "this op checked this exact set before"; a set with a non-contiguous tensor has no key and is
@@ -72,8 +73,8 @@ class Table:
 
 _cache: dict[tuple, Table] = {}
 # Least recently used goes first: a hit stamps its table (id -> tick) instead of reordering the
-# cache, which would hash and compare the key a second time (5-8 µs on 161 tensors on the H100
-# machine's host); the oldest stamp is searched only when an insertion overflows the cache.
+# cache, which would hash and compare the key a second time (5-8 µs on 161 tensors); the
+# oldest stamp is searched only when an insertion overflows the cache.
 _used: dict[int, int] = {}
 _tick = itertools.count()
 _lock = threading.Lock()

@@ -9,12 +9,36 @@ from __future__ import annotations
 
 import torch
 
-from aiak.ops import _cuda, _driver
+from aiak.ops import _cuda
+from aiak.ops._driver import Kernel
 
 _SOURCE = "simota.cu"
 # --fmad=false: products and sums round one by one, as in the reference (no contraction).
 _OPTIONS = ("-std=c++17", "--fmad=false")
 _BLOCK = 256
+_GTS = "ptr gt_boxes, ptr gt_cls, ptr gt_valid, ptr centers, ptr strides, "
+_DIMS = "i32 B, i32 G, i32 A, i32 C, f64 radius, i32 center_only, "
+_PREPARE = Kernel(
+    _SOURCE,
+    "simota_prepare",
+    _GTS + "ptr cls_logits, ptr obj_logits, ptr cand, ptr bg_sum, ptr count, ptr owner, "
+    "ptr num_fg, " + _DIMS + "i32 xyxy, ptr ok",
+    options=_OPTIONS,
+)
+_SELECT = Kernel(
+    _SOURCE,
+    "simota_select",
+    _GTS + "ptr pred, ptr cls_logits, ptr obj_logits, ptr cand, ptr bg_sum, ptr count, "
+    "ptr owner, " + _DIMS + "i32 penalty, i32 xyxy, ptr ok",
+    options=_OPTIONS,
+)
+_RESOLVE = Kernel(
+    _SOURCE,
+    "simota_resolve",
+    _GTS + "ptr pred, ptr cls_logits, ptr obj_logits, ptr bg_sum, ptr count, ptr owner, "
+    "ptr fg_mask, ptr matched_gt, ptr matched_iou, ptr num_fg, " + _DIMS + "i32 penalty, i32 xyxy",
+    options=_OPTIONS,
+)
 _WARPS = _BLOCK // 32
 VALUE_ERROR = (
     "simota_assign: a valid gt has a class id outside [0, C), a negative width or height, or an "
@@ -36,8 +60,6 @@ def launch_simota(
 ) -> tuple[torch.Tensor, ...]:
     """``(fg_mask, matched_gt, matched_iou, num_fg)`` of checked CUDA ``args`` (the op's eight
     tensors in schema order) of sizes ``(B, G, A, C)``."""
-    import numpy as np  # only on the CUDA path: `import aiak.ops` stays free of numpy
-
     gt_boxes, gt_classes, gt_valid, anchor_centers, anchor_strides, pred_boxes = args[:6]
     cls_logits, obj_logits = args[6:]
     B, G, A, C = sizes
@@ -61,27 +83,22 @@ def launch_simota(
     owner = torch.empty(B, A, dtype=torch.int32, device=device)
     ok = torch.ones(1, dtype=torch.bool, device=device)  # the kernels clear it on bad values
     # int32 sizes and flags, the radius in float64 (the kernels' parameter types)
-    dims = (B, G, A, C, np.float64(center_radius))
+    dims = (B, G, A, C, center_radius)
     flags = (int(center_only), int(geometry_penalty), int(box_format == "xyxy"))
     gts = (boxes, classes, valid, centers, strides)
-    run = _driver.run_kernel
     with _cuda.on_device(device):
-        run(
-            _SOURCE, "simota_prepare", (-(-A // _WARPS), B), _BLOCK,
+        _PREPARE(
+            (-(-A // _WARPS), B), _BLOCK,
             *gts, cls, obj, cand, bg_sum, count, owner, num_fg, *dims, flags[0], flags[2], ok,
-            options=_OPTIONS,
         )  # fmt: skip
         if G:
-            run(
-                _SOURCE, "simota_select", B * G, _BLOCK,
-                *gts, pred, cls, obj, cand, bg_sum, count, owner, *dims, *flags, ok,
-                options=_OPTIONS,
+            _SELECT(
+                B * G, _BLOCK, *gts, pred, cls, obj, cand, bg_sum, count, owner, *dims, *flags, ok
             )  # fmt: skip
-        run(
-            _SOURCE, "simota_resolve", (-(-A // _BLOCK), B), _BLOCK,
+        _RESOLVE(
+            (-(-A // _BLOCK), B), _BLOCK,
             *gts, pred, cls, obj, bg_sum, count, owner, fg_mask, matched_gt, matched_iou,
             num_fg, *dims, *flags,
-            options=_OPTIONS,
         )  # fmt: skip
     torch._assert_async(ok, VALUE_ERROR)
     return out

@@ -9,28 +9,50 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import threading
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
-from aiak.ops import _cuda, _driver
+from aiak.ops import _cuda
 from aiak.ops._capability import Capability, declare, use_kernel
+from aiak.ops._driver import Kernel
 from aiak.ops._window_attention_ref import (
     HALF,
+    HEAD_DIMS,
+    MAX_TOKENS,
     _attention_backward_reference,
     _attention_reference,
     _check_attention,
     _shape_reasons,
 )
 
-ATTN = declare(Capability("window_attention", dtypes=HALF))
+ATTN = declare(
+    Capability(
+        "window_attention",
+        dtypes=HALF,
+        input_reasons=_shape_reasons,
+        conditions=(f"N <= {MAX_TOKENS} tokens per window", f"head_dim in {HEAD_DIMS}"),
+    )
+)
 SOURCE = "window_attention.cu"
 _CODE = {torch.float16: "f16", torch.bfloat16: "bf16"}
 _THREADS = 128  # WA_THREADS in the source
+_SIZES = "i64 qb, i64 qh, i64 qn, i64 kb, i64 kh, i64 kn, i64 vb, i64 vh, i64 vn, "
+_SIZES += "i32 B_, i32 nH, i32 N, i32 nW, f32 scale"
+_PARAMS = {
+    "fwd": "ptr q, ptr k, ptr v, ptr bias, ptr mask, ptr out, " + _SIZES,
+    "bwd": "ptr dout, ptr q, ptr k, ptr v, ptr bias, ptr mask, ptr dq, ptr dk, ptr dv, "
+    "ptr dbias, " + _SIZES,
+}
+# (kind, dtype, head dim) -> the kernel; kind: "fwd", "bwd", "mma_fwd" or "mma_bwd"
+_KERNELS = {
+    (kind, dtype, d): Kernel(SOURCE, f"window_attention_{kind}_{code}_d{d}", _PARAMS[kind[-3:]])
+    for kind in ("fwd", "bwd", "mma_fwd", "mma_bwd")
+    for dtype, code in _CODE.items()
+    for d in (32, 64)
+}
 _STATIC_SMEM = 48 * 1024  # above this a kernel must opt in to more dynamic shared memory
 
 # Which CUDA kernel pair runs window attention: "mma" (tensor-core mma.sync, sm_80+) or "scalar"
@@ -41,9 +63,6 @@ KERNEL_ENV = "AIAK_WINDOW_ATTENTION_KERNEL"
 DEFAULT_KERNEL = "mma"
 KERNEL_CHOICES = ("mma", "scalar")
 _MMA_MIN_CC = (8, 0)
-
-_shape_warned: set[str] = set()
-_shape_lock = threading.Lock()
 
 
 def attention_kernel(device: torch.device) -> str:
@@ -63,23 +82,7 @@ def attention_kernel(device: torch.device) -> str:
 
 
 def _use_attention_kernel(q: torch.Tensor) -> bool:
-    if not use_kernel(ATTN, q.device, (q.dtype,)):
-        return False
-    reasons = _shape_reasons(q)
-    if not reasons:
-        return True
-    key = "; ".join(reasons)
-    with _shape_lock:
-        first = key not in _shape_warned
-        _shape_warned.add(key)
-    if first:
-        warnings.warn("falling back to the PyTorch reference: " + key, RuntimeWarning, stacklevel=3)
-    return False
-
-
-def _i64(value: int) -> Any:
-    """An int64 kernel argument (``_driver.run_kernel`` passes a plain int as int32)."""
-    return _cuda.numpy().int64(value)
+    return use_kernel(ATTN, q.device, (q.dtype,), (q,))
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -106,11 +109,11 @@ def _mma_smem_bytes(d: int, backward: bool) -> int:
     return table + tiles + (2 * 64 * 72 * 2 if backward else 0)
 
 
-def _kernel(kind: str, dtype: torch.dtype, d: int, smem: int) -> tuple[str, Any]:
-    """The kernel's name and its CuPy function, with the function attributes its launches need
-    (set on the kernel's ``CUfunction``, so they hold for ``_driver``'s launches)."""
-    name = f"window_attention_{kind}_{_CODE[dtype]}_d{d}"
-    fn = _cuda.get_function(SOURCE, name)
+def _kernel(kind: str, dtype: torch.dtype, d: int, smem: int) -> tuple[Kernel, Any]:
+    """The kernel and its CuPy function, with the function attributes its launches need (set on
+    the kernel's ``CUfunction``, so they hold for the kernel's launches)."""
+    kernel = _KERNELS[kind, dtype, d]
+    fn = kernel.function()
     if smem > _STATIC_SMEM and fn.max_dynamic_shared_size_bytes < smem:
         fn.max_dynamic_shared_size_bytes = smem
     if kind.startswith("mma") and id(fn) not in _CARVED:
@@ -118,7 +121,7 @@ def _kernel(kind: str, dtype: torch.dtype, d: int, smem: int) -> tuple[str, Any]
         # memory (`_mma_blocks`), and these kernels read global memory once, through registers
         fn.preferred_shared_memory_carveout = 100
         _CARVED.add(id(fn))
-    return name, fn
+    return kernel, fn
 
 
 _CARVED: set[int] = set()
@@ -165,8 +168,8 @@ def _mma_ready(t: torch.Tensor) -> torch.Tensor:
     return t if ok else t.clone(memory_format=torch.contiguous_format)
 
 
-def _strides(t: torch.Tensor) -> tuple[Any, Any, Any]:
-    return _i64(t.stride(0)), _i64(t.stride(1)), _i64(t.stride(2))
+def _strides(t: torch.Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)
 
 
 # --------------------------------------------------------------------------------------------
@@ -176,12 +179,12 @@ def _strides(t: torch.Tensor) -> tuple[Any, Any, Any]:
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-    """One launch configuration: kernel name, grid, shared memory, the argument tail after
+    """One launch configuration: the kernel, grid, shared memory, the argument tail after
     the pointers (int64 strides, int32 sizes), and what a call with this metadata must still
     do per call (``align``: the q/k/v pointer bits that must be zero; bias/mask conversion to
     fp32)."""
 
-    name: str
+    kernel: Kernel
     grid: tuple[int, int]
     smem: int
     tail: tuple
@@ -214,11 +217,11 @@ def _make_plan(kernel: str, backward: bool, q, k, v, bias, mask) -> _Plan:
     tail += (windows, heads, n, nw)
     if kernel == "mma":
         smem = _mma_smem_bytes(d, backward)
-        name, fn = _kernel("mma_bwd" if backward else "mma_fwd", q.dtype, d, smem)
+        launcher, fn = _kernel("mma_bwd" if backward else "mma_fwd", q.dtype, d, smem)
         blocks = _mma_blocks(fn, windows, heads, nw, smem)
     else:
         smem = 4 * _smem_floats(n, d, backward)
-        name, _ = _kernel("bwd" if backward else "fwd", q.dtype, d, smem)
+        launcher, _ = _kernel("bwd" if backward else "fwd", q.dtype, d, smem)
         blocks = windows
         if backward:
             # Each block loops over windows of one head and adds its bias gradient once: about
@@ -226,7 +229,7 @@ def _make_plan(kernel: str, backward: bool, q, k, v, bias, mask) -> _Plan:
             sms = _cuda.num_sms(torch.cuda.current_device())
             blocks = max(1, min(windows, (8 * sms) // heads))
     return _Plan(
-        name,
+        launcher,
         (blocks, heads),
         smem,
         tail,
@@ -268,10 +271,7 @@ def _cached(kernel: str, dout, q, k, v, bias, mask, scale) -> _Plan | None:
 
 
 def _launch(plan: _Plan, tensors: tuple, scale: float) -> None:
-    _driver.run_kernel(
-        SOURCE, plan.name, plan.grid, _THREADS, *tensors, *plan.tail, float(scale),
-        shared_mem=plan.smem,
-    )  # fmt: skip
+    plan.kernel(plan.grid, _THREADS, *tensors, *plan.tail, scale, shared_mem=plan.smem)
 
 
 def _fp32(t: torch.Tensor | None, ready: bool) -> torch.Tensor | None:
@@ -352,7 +352,7 @@ def _attention_backward_cuda(dout, q, k, v, bias, mask, scale) -> tuple:
 
 def eager_on(device_type: str) -> Callable[[torch.Tensor], bool]:
     """The eager path's predicate for tensors of ``device_type`` (CPU stands in for CUDA in
-    benchmarks/profile_window_attention_host.py)."""
+    research/profile_window_attention_host.py)."""
 
     def eager(t: torch.Tensor) -> bool:
         return (

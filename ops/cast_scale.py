@@ -6,7 +6,7 @@ small fp32 values above fp16's underflow before the cast (Perseus's gradient sca
 compression uses it for both directions of every bucket: one launch each way, no tables, no
 host synchronisation. torch has no single op for it: ``torch.mul(half, fp32_tensor, out=f32)``
 computes in fp32 but takes TensorIterator's broadcasting path, a fraction of copy bandwidth
-(benchmarks/results/comm_nccl_notes.md).
+(research/comm_nccl_notes.md).
 
 Read top-down: checks, the PyTorch reference (the default kernel on every device), the CUDA
 launcher, the op declaration.
@@ -18,8 +18,9 @@ import ctypes
 
 import torch
 
-from aiak.ops import _cuda, _driver
+from aiak.ops import _cuda
 from aiak.ops._capability import FLOAT_DTYPES, Capability, declare, use_kernel
+from aiak.ops._driver import Kernel
 from aiak.ops._registry import _increment, define
 
 __all__ = ["cast_scale_"]
@@ -27,7 +28,12 @@ __all__ = ["cast_scale_"]
 CAP = declare(Capability("cast_scale_"))
 _SOURCE = "cast_scale.cu"
 _CODE = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
-_NAMES = {(s, d): f"cast_scale_{_CODE[s]}_{_CODE[d]}" for s in _CODE for d in _CODE}
+_PARAMS = "ptr src, ptr dst, f32 scale, i64 n"
+_KERNELS = {
+    (s, d): Kernel(_SOURCE, f"cast_scale_{_CODE[s]}_{_CODE[d]}", _PARAMS)
+    for s in _CODE
+    for d in _CODE
+}
 _BLOCK = 512  # __launch_bounds__(512) in the source
 _PER_THREAD = 8  # elements per thread and grid step
 
@@ -120,23 +126,16 @@ def _cast_cuda(dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
 
 # (src dtype, dst dtype, device index) -> (kernel, most blocks): what a launch needs besides
 # the tensors, looked up once, for pairs the kernel supports. Host time decides this op's
-# design: the CUDA work of a gradient bucket's cast is a few µs, a torch elementwise op call
-# costs 8-10 µs on the H100 machine's host, and a CuPy launch alone 9.2 µs there
-# (benchmarks/profile_hotpaths.py); ``_driver.DriverKernel`` launches in 7.8 µs all told.
-_records: dict[tuple[torch.dtype, torch.dtype, int], tuple[_driver.DriverKernel, int]] = {}
-_ARGTYPES = (ctypes.c_uint64, ctypes.c_uint64, ctypes.c_float, ctypes.c_int64)
+# design: a bucket's cast is a few µs of GPU work, about what one launch costs the host.
+_records: dict[tuple[torch.dtype, torch.dtype, int], tuple[Kernel, int]] = {}
 _F32_MAX = 3.4028234663852886e38
 
 
-def _launch_record(
-    src: torch.dtype, dst: torch.dtype, dev: int
-) -> tuple[_driver.DriverKernel, int]:
+def _launch_record(src: torch.dtype, dst: torch.dtype, dev: int) -> tuple[Kernel, int]:
     key = (src, dst, dev)
     found = _records.get(key)
     if found is None:
-        with torch.cuda.device(dev):
-            fn = _cuda.get_function(_SOURCE, _NAMES[src, dst])
-        found = _records[key] = (_driver.DriverKernel(fn, _ARGTYPES), 4 * _cuda.num_sms(dev))
+        found = _records[key] = (_KERNELS[src, dst], 4 * _cuda.num_sms(dev))
     return found
 
 

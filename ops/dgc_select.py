@@ -10,18 +10,18 @@ values (so comparisons are exact and NaN ranks above +inf):
 1. sample ``num_samples`` importances: ``sample_indices`` when given, else every
    ``sample_stride``-th from ``sample_start``;
 2. ``thr0`` = the ``k_s``-th largest sample, ``k_s = ceil(num_samples * k / numel)``;
-3. adaptation, exactly the seed's loop, with the threshold of state (a, b) defined as
+3. adaptation, exactly AIAK-Training's DGC loop, with the threshold of state (a, b) defined as
    ``fp32(thr0 * upper**a * lower**b)`` (float64 products in that order, rounded once):
    ``c = #(importance >= thr)``; up to ``iters`` times: ``c > upper*k`` -> with ``resample``
    stop and take the exact top-k, else ``a += 1``; ``c < lower*k`` -> ``b += 1``; else stop;
 4. compaction: the exact top-k (ties to the lowest index) after a resample stop, otherwise
    the first ``k`` indices (ascending) with ``importance >= thr``.
 
-How it relates to the seed: the seed multiplies its threshold in place (rounding at every
-step) and counts with one pass per iteration; here every threshold the loop can reach (``iters
+How it relates to AIAK-Training's DGC: that loop multiplies its threshold in place (rounding at
+every step) and counts with one pass per iteration; here every threshold the loop can reach (``iters
 + 1`` of them with ``resample``, ``(iters+1)(iters+2)/2`` without) is counted in ONE pass, the
 loop then runs on the counts, so the work is fixed and nothing waits on the host. Decisions
-are the seed's except where a threshold's single rounding differs from its repeated one.
+are that loop's except where a threshold's single rounding differs from its repeated one.
 
 The CUDA kernel (fp32 only; other dtypes run this reference) computes the same thing bit for
 bit in 9 launches (4 when no resample stop can happen) and one read of ``x`` in the common

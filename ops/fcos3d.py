@@ -33,9 +33,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from aiak.ops import _cuda, _driver
+from aiak.ops import _cuda
 from aiak.ops._args import check_float, check_int, check_sequence
 from aiak.ops._capability import Capability, declare, use_kernel
+from aiak.ops._driver import Kernel
 from aiak.ops._registry import define
 
 __all__ = ["FCOS3DTargets", "fcos3d_targets", "point_meta"]
@@ -44,6 +45,16 @@ FCOS3D = declare(Capability("fcos3d_targets", dtypes=(torch.float32,)))
 _SOURCE = "fcos3d.cu"
 _OPTIONS = ("-std=c++17", "--fmad=false")
 _BLOCK = 256
+_TARGETS = Kernel(
+    _SOURCE,
+    "fcos3d_targets",
+    "ptr points, ptr point_strides, ptr regress_ranges, ptr gt_bboxes, ptr gt_labels, "
+    "ptr gt_bboxes_3d, ptr gt_labels_3d, ptr centers2d, ptr depths, ptr attr_labels, "
+    "ptr gt_valid, ptr labels, ptr bbox_targets, ptr labels_3d, ptr bbox_targets_3d, "
+    "ptr centerness, ptr attr_out, i32 P, i32 G, i32 code, f64 radius, f32 neg_alpha, "
+    "i64 background_label, i64 attr_background_label",
+    options=_OPTIONS,
+)
 FAR = 1e8  # mmdet3d's INF
 
 
@@ -236,18 +247,14 @@ def _fcos3d_cuda(*args: Any) -> tuple[torch.Tensor, ...]:
     points = tensors[0]
     if not use_kernel(FCOS3D, points.device, ()):
         return _reference(*tensors, *scalars)
-    import numpy as np  # only on the CUDA path: `import aiak.ops` stays free of numpy
-
     out = _outputs(B, P, code, points.device)
     if B * P == 0:
         return tuple(out)
     ins = [t.contiguous() for t in tensors]  # contiguous() is free for the usual layout
     with _cuda.on_device(points.device):
-        _driver.run_kernel(
-            _SOURCE, "fcos3d_targets", (-(-P // _BLOCK), B), _BLOCK,
-            *ins, *out, P, G, code, np.float64(center_sample_radius), float(-centerness_alpha),
-            np.int64(background_label), np.int64(attr_background_label),
-            options=_OPTIONS,
+        _TARGETS(
+            (-(-P // _BLOCK), B), _BLOCK, *ins, *out, P, G, code,
+            center_sample_radius, -centerness_alpha, background_label, attr_background_label,
         )  # fmt: skip
     return tuple(out)
 

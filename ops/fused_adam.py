@@ -14,14 +14,22 @@ from __future__ import annotations
 
 import torch
 
-from aiak.ops import _driver, _fused, _mta
-from aiak.ops._capability import Capability, check_aligned_lists, check_hyper, declare
+from aiak.ops import _fused, _mta
+from aiak.ops._capability import check_aligned_lists, check_hyper
+from aiak.ops._driver import Kernel
 from aiak.ops._registry import define, record
 
 __all__ = ["fused_adam_"]
 
-CAP = declare(Capability("fused_adam_"))
+CAP = _fused.capability("fused_adam_")
 _SOURCE = "fused_adam.cu"
+_ADAM = Kernel(
+    _SOURCE,
+    "fused_adam",
+    "ptr table, i32 T, i32 D, ptr lr_ptr, f32 lr, f32 beta1, f32 beta2, f32 eps, f32 wd, "
+    "i32 flags, ptr grad_scale, ptr found_inf",
+)
+_BUMP = Kernel(_SOURCE, "bump_steps", "ptr table, i32 T, i32 list, ptr found_inf")
 
 SCHEMA = (
     "fused_adam_(Tensor(a!)[] params, Tensor(b!)[] grads, Tensor(c!)[] exp_avgs, "
@@ -123,13 +131,12 @@ def _launch(a: Args, tab: _mta.Table) -> None:
         bias_correction=a.bias_correction,
     )
     if tab.num_chunks:
-        hyper = (float(a.lr), float(a.beta1), float(a.beta2), float(a.eps), float(a.weight_decay))
-        _driver.run_kernel(
-            _SOURCE, "fused_adam", tab.num_chunks, _fused.BLOCK,
-            tab.data, n, tab.depth, a.lr_tensor, *hyper, flags, a.grad_scale, a.found_inf,
+        _ADAM(
+            tab.num_chunks, _fused.BLOCK, tab.data, n, tab.depth, a.lr_tensor,
+            a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, flags, a.grad_scale, a.found_inf,
         )  # fmt: skip
     # The steps advance after the update has read them (stream order); list 4 holds them.
-    _driver.run_kernel(_SOURCE, "bump_steps", (n + 255) // 256, 256, tab.data, n, 4, a.found_inf)
+    _BUMP((n + 255) // 256, 256, tab.data, n, 4, a.found_inf)
 
 
 KERNEL = _fused.Kernel(CAP, _lists, _check, _check_scalars, _launch, _reference)
@@ -138,4 +145,5 @@ fused_adam_ = define(
     _fused.positional(_reference, Args),
     cuda=_fused.cuda_impl(KERNEL, Args),
     fake=_fused.positional(_check, Args),  # the op returns nothing: the fake only validates
+    binder=_fused.bind,
 )

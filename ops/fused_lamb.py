@@ -1,7 +1,9 @@
 """``aiak::fused_lamb_``: LAMB with apex FusedLAMB's math over a whole list of params in place,
-given the global grad norm (``aiak::multi_tensor_l2norm`` of the still-scaled grads)::
+given the global grad norm in parts (``grad_norms``: ``aiak::multi_tensor_l2norm`` of the
+still-scaled grads on each device that holds some; one tensor on one device)::
 
-    clip = G / max_grad_norm if G > max_grad_norm > 0 else 1      (G = grad_norm / grad_scale)
+    N = sqrt(sum of grad_norms[i]^2)                (grad_norms[0] itself when it is the only one)
+    clip = G / max_grad_norm if G > max_grad_norm > 0 else 1      (G = N / grad_scale)
     g' = g / clip  (+ weight_decay * p when adam_w_mode is False: L2 mode)
     m = b1 m + b3 g'  (b3 = 1 - b1 with grad_averaging, else 1);  v = b2 v + (1 - b2) g'^2
     u = (m / bc1) / (sqrt(v / bc2) + eps)  (+ weight_decay * p in adam_w_mode)
@@ -16,19 +18,35 @@ from __future__ import annotations
 
 import torch
 
-from aiak.ops import _driver, _fused, _mta
-from aiak.ops._capability import Capability, check_aligned_lists, check_hyper, declare
+from aiak.ops import _fused, _mta
+from aiak.ops._capability import (
+    check_aligned_lists,
+    check_hyper,
+    check_scalar_tensor,
+)
+from aiak.ops._driver import Kernel
 from aiak.ops._registry import define, record
 
 __all__ = ["fused_lamb_"]
 
-CAP = declare(Capability("fused_lamb_"))
-_SOURCE = "fused_lamb.cu"
+CAP = _fused.capability("fused_lamb_")
+_STAGE1 = Kernel(
+    "fused_lamb.cu",
+    "fused_lamb_stage1",
+    "ptr table, i32 T, i32 D, ptr partials, f32 beta1, f32 beta2, f32 eps, f32 wd, "
+    "f32 max_grad_norm, i32 flags, ptr grad_norm, ptr grad_scale, ptr found_inf",
+)
+_STAGE2 = Kernel(
+    "fused_lamb.cu",
+    "fused_lamb_stage2",
+    "ptr table, i32 T, i32 D, i32 C, ptr partials, ptr lr_ptr, f32 lr, f32 wd, i32 flags, "
+    "ptr found_inf",
+)
 
 SCHEMA = (
     "fused_lamb_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
     "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] updates, Tensor(e!)[] state_steps, "
-    "Tensor(f!)[] copy_to, Tensor grad_norm, float lr, Tensor? lr_tensor, float beta1, "
+    "Tensor(f!)[] copy_to, Tensor[] grad_norms, float lr, Tensor? lr_tensor, float beta1, "
     "float beta2, float eps, float weight_decay, bool bias_correction, bool grad_averaging, "
     "bool adam_w_mode, bool use_nvlamb, float max_grad_norm, Tensor? grad_scale, "
     "Tensor? found_inf) -> ()"
@@ -44,13 +62,15 @@ def _check_scalars(a: Args) -> None:
     if a.max_grad_norm != a.max_grad_norm:
         raise ValueError(f"{op}: max_grad_norm is NaN")
     _fused.check_scalar_tensors(
-        op,
-        a,
-        grad_norm=a.grad_norm,
-        lr_tensor=a.lr_tensor,
-        grad_scale=a.grad_scale,
-        found_inf=a.found_inf,
+        op, a, lr_tensor=a.lr_tensor, grad_scale=a.grad_scale, found_inf=a.found_inf
     )
+    norms = a.grad_norms
+    if not isinstance(norms, (list, tuple)):
+        raise TypeError(f"{op}: grad_norms must be a list of tensors, got {type(norms).__name__}")
+    if not norms and a.params:
+        raise ValueError(f"{op}: grad_norms must be a non-empty list of one-element tensors")
+    for i, t in enumerate(norms):  # on any device: the parts of a multi-device global norm
+        check_scalar_tensor(op, f"grad_norms[{i}]", t, None, torch.float32)
 
 
 def _check(a: Args) -> torch.device | None:
@@ -62,12 +82,20 @@ def _check(a: Args) -> torch.device | None:
         "updates": a.updates,
     }
     scalars = {
-        "grad_norm": a.grad_norm,
         "lr_tensor": a.lr_tensor,
         "grad_scale": a.grad_scale,
         "found_inf": a.found_inf,
     }
     return check_aligned_lists("fused_lamb_", a.params, same, a.copy_to, a.state_steps, scalars)
+
+
+def global_norm(grad_norms: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The global grad norm from its parts, on ``device``: the one part itself when it is
+    there already (the usual, single-device case: no work at all)."""
+    if len(grad_norms) == 1 and grad_norms[0].device == device:
+        return grad_norms[0]
+    parts = [n.reshape(()).to(device, non_blocking=True) for n in grad_norms]
+    return torch.linalg.vector_norm(torch.stack(parts))
 
 
 def _reference(a: Args) -> None:
@@ -81,7 +109,7 @@ def _reference(a: Args) -> None:
     def update() -> None:
         p, m, v = map(_fused.upcast, (params, a.exp_avgs, a.exp_avg_sqs))
         scale = 1.0 if a.grad_scale is None else _fused.scale_of(a.grad_scale)
-        norm = a.grad_norm.reshape(()) / scale
+        norm = global_norm(a.grad_norms, params[0].device).reshape(()) / scale
         clip = torch.ones_like(norm)
         if a.max_grad_norm > 0:
             clip = torch.where(norm > a.max_grad_norm, norm / a.max_grad_norm, clip)
@@ -139,17 +167,15 @@ def _launch(a: Args, tab: _mta.Table) -> None:
     # Per-chunk sums of p^2 and u^2 from stage 1, reduced per tensor by stage 2.
     partials = torch.empty(2 * max(c, 1), dtype=torch.float32, device=device)
     if c:
-        hyper = (a.beta1, a.beta2, a.eps, a.weight_decay, a.max_grad_norm)
-        _driver.run_kernel(
-            _SOURCE, "fused_lamb_stage1", c, _fused.BLOCK,
-            tab.data, n, tab.depth, partials, *map(float, hyper), flags,
-            a.grad_norm, a.grad_scale, a.found_inf,
+        _STAGE1(
+            c, _fused.BLOCK, tab.data, n, tab.depth, partials,
+            a.beta1, a.beta2, a.eps, a.weight_decay, a.max_grad_norm, flags,
+            global_norm(a.grad_norms, device), a.grad_scale, a.found_inf,
         )  # fmt: skip
     # Blocks past the c chunks advance the n step counters (ceil(n / BLOCK) of them).
-    _driver.run_kernel(
-        _SOURCE, "fused_lamb_stage2", c + (n + _fused.BLOCK - 1) // _fused.BLOCK, _fused.BLOCK,
-        tab.data, n, tab.depth, c, partials, a.lr_tensor, float(a.lr), float(a.weight_decay),
-        flags, a.found_inf,
+    _STAGE2(
+        c + (n + _fused.BLOCK - 1) // _fused.BLOCK, _fused.BLOCK,
+        tab.data, n, tab.depth, c, partials, a.lr_tensor, a.lr, a.weight_decay, flags, a.found_inf,
     )  # fmt: skip
 
 
@@ -159,4 +185,5 @@ fused_lamb_ = define(
     _fused.positional(_reference, Args),
     cuda=_fused.cuda_impl(KERNEL, Args),
     fake=_fused.positional(_check, Args),
+    binder=_fused.bind,
 )

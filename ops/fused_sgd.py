@@ -10,14 +10,20 @@ from __future__ import annotations
 
 import torch
 
-from aiak.ops import _driver, _fused, _mta
-from aiak.ops._capability import Capability, check_aligned_lists, check_hyper, declare
+from aiak.ops import _fused, _mta
+from aiak.ops._capability import check_aligned_lists, check_hyper
+from aiak.ops._driver import Kernel
 from aiak.ops._registry import define, record
 
 __all__ = ["fused_sgd_"]
 
-CAP = declare(Capability("fused_sgd_"))
-_SOURCE = "fused_sgd.cu"
+CAP = _fused.capability("fused_sgd_")
+_SGD = Kernel(
+    "fused_sgd.cu",
+    "fused_sgd",
+    "ptr table, i32 T, i32 D, ptr lr_ptr, f32 lr, f32 momentum, f32 dampening, f32 wd, "
+    "i32 flags, ptr scales, ptr grad_scale, ptr found_inf",
+)
 
 SCHEMA = (
     "fused_sgd_(Tensor(a!)[] params, Tensor(b!)[] grads, Tensor(c!)[] momentum_buffers, "
@@ -112,11 +118,9 @@ def _launch(a: Args, tab: _mta.Table) -> None:
     if not tab.num_chunks:
         return
     flags = _fused.flags(nesterov=a.nesterov, maximize=a.maximize, first_step=a.is_first_step)
-    hyper = (float(a.lr), float(a.momentum), float(a.dampening), float(a.weight_decay))
-    _driver.run_kernel(
-        _SOURCE, "fused_sgd", tab.num_chunks, _fused.BLOCK,
-        tab.data, len(a.params), tab.depth, a.lr_tensor, *hyper, flags,
-        a.scales, a.grad_scale, a.found_inf,
+    _SGD(
+        tab.num_chunks, _fused.BLOCK, tab.data, len(a.params), tab.depth, a.lr_tensor,
+        a.lr, a.momentum, a.dampening, a.weight_decay, flags, a.scales, a.grad_scale, a.found_inf,
     )  # fmt: skip
 
 
@@ -126,4 +130,5 @@ fused_sgd_ = define(
     _fused.positional(_reference, Args),
     cuda=_fused.cuda_impl(KERNEL, Args),
     fake=_fused.positional(_check, Args),
+    binder=_fused.bind,
 )

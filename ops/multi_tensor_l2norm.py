@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from aiak.ops import _cuda, _driver, _mta
+from aiak.ops import _cuda, _mta
 from aiak.ops._capability import (
     REFERENCE_DTYPES,
     Capability,
@@ -23,12 +23,17 @@ from aiak.ops._capability import (
     is_dense,
     use_kernel,
 )
+from aiak.ops._driver import Kernel
 from aiak.ops._registry import LIB, define
 
 __all__ = ["BoundNorm", "multi_tensor_l2norm"]
 
 CAP = declare(Capability("multi_tensor_l2norm"))
-_SOURCE = "multi_tensor_l2norm.cu"
+_NORM = Kernel(
+    "multi_tensor_l2norm.cu",
+    "mt_l2norm",
+    "ptr table, i32 T, ptr scratch, ptr per_tensor, ptr total",
+)
 _TAG = "multi_tensor_l2norm"  # the op's tables in the host cache
 _dtype = operator.attrgetter("dtype")
 _BLOCK = 512  # threads per chunk block; __launch_bounds__(512) in the source
@@ -81,14 +86,12 @@ def _l2norm_launch(tab: _mta.Table, n: int, per_tensor: bool) -> tuple[torch.Ten
 def _launch(tab: _mta.Table, n: int, per: torch.Tensor | None) -> torch.Tensor:
     """One launch of ``mt_l2norm`` over ``tab`` (``n`` tensors); fills ``per`` unless None and
     returns the total. The outputs are separate allocations: the schema promises fresh tensors,
-    and ``BoundNorm`` needs the total alone (one allocation, ~3 µs on the H100 machine's host)."""
+    and ``BoundNorm`` needs the total alone (one allocation a call)."""
     device = tab.data.device
     with _cuda.on_device(device):
         total = torch.empty((), dtype=torch.float32, device=device)
         scratch = tab.scratch(1 + 2 * n + (tab.num_chunks + 1) // 2)  # layout in the .cu
-        _driver.run_kernel(
-            _SOURCE, "mt_l2norm", max(tab.num_chunks, 1), _BLOCK, tab.data, n, scratch, per, total
-        )
+        _NORM(max(tab.num_chunks, 1), _BLOCK, tab.data, n, scratch, per, total)
     return total
 
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from aiak.ops import _cuda, _driver, _mta
+from aiak.ops import _cuda, _mta
 from aiak.ops._capability import (
     REFERENCE_DTYPES,
     Capability,
@@ -23,12 +23,13 @@ from aiak.ops._capability import (
     is_dense,
     use_kernel,
 )
+from aiak.ops._driver import Kernel
 from aiak.ops._registry import define
 
 __all__ = ["multi_tensor_scale_"]
 
 CAP = declare(Capability("multi_tensor_scale_"))
-_SOURCE = "multi_tensor_scale.cu"
+_SCALE = Kernel("multi_tensor_scale.cu", "mt_scale", "ptr table, i32 T, ptr scale, ptr found_inf")
 _dtype = operator.attrgetter("dtype")
 _BLOCK = 512  # threads per chunk block; __launch_bounds__(512) in the source
 
@@ -128,9 +129,7 @@ def _scale_cuda(
         tab = _mta.table([src, dst], device, "multi_tensor_scale_")
     with _cuda.on_device(device):
         if tab.num_chunks:
-            _driver.run_kernel(
-                _SOURCE, "mt_scale", tab.num_chunks, _BLOCK, tab.data, len(src), scale, found_inf
-            )
+            _SCALE(tab.num_chunks, _BLOCK, tab.data, len(src), scale, found_inf)
 
 
 def _scale_fake(

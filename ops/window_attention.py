@@ -74,18 +74,25 @@ ATTENTION_BACKWARD_OP = define(
 )
 
 
+# The autograd formula, written once: what the forward saves, and the gradients from the
+# backward op. The registered op runs it through the dispatcher; the eager path (below) runs
+# the same functions with the backward op's CUDA kernel called directly.
+
+
 def _attention_setup(ctx, inputs, output) -> None:
     q, k, v, bias, mask, scale = inputs
     ctx.save_for_backward(q, k, v, bias, mask)
     ctx.scale = scale
 
 
-def _attention_backward(ctx, grad):
+def _attention_grads(ctx, grad, backward_op):
     q, k, v, bias, mask = ctx.saved_tensors
-    dq, dk, dv, dbias = torch.ops.aiak.window_attention_backward(
-        grad, q, k, v, bias, mask, ctx.scale
-    )
+    dq, dk, dv, dbias = backward_op(grad, q, k, v, bias, mask, ctx.scale)
     return dq, dk, dv, dbias, None, None
+
+
+def _attention_backward(ctx, grad):
+    return _attention_grads(ctx, grad, torch.ops.aiak.window_attention_backward)
 
 
 torch.library.register_autograd(
@@ -94,24 +101,22 @@ torch.library.register_autograd(
 
 
 class _EagerAttention(torch.autograd.Function):
-    """The op's autograd formula with the CUDA launchers called directly: the eager path.
+    """The op's autograd formula with its CUDA kernels called directly: the eager path.
 
-    The same launchers as the op's CUDA kernels (so the same numbers), without the
-    dispatcher's per-call Python (schema defaults, ``register_autograd``'s wrappers, the
-    backward op's own dispatch). ``torch.compile``, fake tensors and ``opcheck`` use the op.
+    The same kernels as the op's (so the same numbers), without the dispatcher's per-call
+    Python (schema defaults, ``register_autograd``'s wrappers, the backward op's own
+    dispatch). ``torch.compile``, fake tensors and ``opcheck`` use the op.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, mask, scale):
-        ctx.save_for_backward(q, k, v, bias, mask)
-        ctx.scale = scale
-        return _attention_cuda(q, k, v, bias, mask, scale)
+    def forward(ctx, *inputs):
+        out = _attention_cuda(*inputs)
+        _attention_setup(ctx, inputs, out)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, bias, mask = ctx.saved_tensors
-        dq, dk, dv, dbias = _attention_backward_cuda(grad, q, k, v, bias, mask, ctx.scale)
-        return dq, dk, dv, dbias, None, None
+        return _attention_grads(ctx, grad, _attention_backward_cuda)
 
 
 def window_attention(

@@ -12,17 +12,27 @@ import math
 
 import torch
 
-from aiak.ops import _cuda, _driver
+from aiak.ops import _cuda
 from aiak.ops import _window_attention_cuda as _wac
 from aiak.ops._args import check_int
 from aiak.ops._capability import Capability, declare, use_kernel
+from aiak.ops._driver import Kernel
 from aiak.ops._registry import define
-from aiak.ops._window_attention_cuda import SOURCE, _i64
+from aiak.ops._window_attention_cuda import SOURCE
 from aiak.ops._window_attention_ref import FLOATS
 
 __all__ = ["roll_window_partition", "window_merge_roll"]
 
 PARTITION = declare(Capability("roll_window_partition", dtypes=FLOATS))
+# one gather per word size in bytes: whole token rows move in 16/8/4/2/1-byte words
+_GATHER = {
+    unit: Kernel(
+        SOURCE,
+        f"window_gather_{unit}",
+        "ptr src, ptr dst, i32 H, i32 W, i32 ws, i32 sh, i32 sw, i64 units, i64 total, i32 merge",
+    )
+    for unit in (16, 8, 4, 2, 1)
+}
 
 
 def _window_size(windows: torch.Tensor) -> int:
@@ -105,10 +115,10 @@ def _gather_cuda(
             unit = next(u for u in (16, 8, 4, 2, 1) if row % u == 0 and ptrs % u == 0)
             total = dst.numel() * dst.element_size() // unit
             blocks = max(1, min(-(-total // 256), 32 * _cuda.num_sms(device)))
-            tail = (h, w, ws, shift % h, shift % w, _i64(row // unit), _i64(total), int(merge))
-            plan = _GATHERS[(*key, device)] = (f"window_gather_{unit}", blocks, tail)
-        name, blocks, tail = plan
-        _driver.run_kernel(SOURCE, name, blocks, 256, src, dst, *tail)
+            tail = (h, w, ws, shift % h, shift % w, row // unit, total, int(merge))
+            plan = _GATHERS[(*key, device)] = (_GATHER[unit], blocks, tail)
+        kernel, blocks, tail = plan
+        kernel(blocks, 256, src, dst, *tail)
 
 
 # (src shape, dst numel, dtype, geometry, direction, pointer bits, device) -> launch plan
@@ -168,15 +178,23 @@ MERGE_OP = define(
 )
 
 
+# The autograd formulas, written once (each op's gradient is the other op): the registered
+# ops run them through the dispatcher, the eager path (below) with the CUDA kernels called
+# directly.
+
+
 def _partition_setup(ctx, inputs, output) -> None:
     x, _, shift = inputs
     ctx.hw = (x.shape[1], x.shape[2])
     ctx.shift = shift
 
 
+def _partition_grads(ctx, grad, merge):
+    return merge(grad.contiguous(), *ctx.hw, ctx.shift), None, None
+
+
 def _partition_backward(ctx, grad):
-    h, w = ctx.hw
-    return torch.ops.aiak.window_merge_roll(grad.contiguous(), h, w, ctx.shift), None, None
+    return _partition_grads(ctx, grad, torch.ops.aiak.window_merge_roll)
 
 
 def _merge_setup(ctx, inputs, output) -> None:
@@ -185,9 +203,12 @@ def _merge_setup(ctx, inputs, output) -> None:
     ctx.shift = shift
 
 
+def _merge_grads(ctx, grad, partition):
+    return partition(grad.contiguous(), ctx.window, ctx.shift), None, None, None
+
+
 def _merge_backward(ctx, grad):
-    x = torch.ops.aiak.roll_window_partition(grad.contiguous(), ctx.window, ctx.shift)
-    return x, None, None, None
+    return _merge_grads(ctx, grad, torch.ops.aiak.roll_window_partition)
 
 
 torch.library.register_autograd(
@@ -199,28 +220,30 @@ torch.library.register_autograd(
 
 
 class _EagerPartition(torch.autograd.Function):
-    """The op and its gradient with the gather launched directly (the eager path; see
+    """The op's formula with the gathers launched directly (the eager path; see
     ``window_attention._EagerAttention``)."""
 
     @staticmethod
-    def forward(ctx, x, window, shift):
-        ctx.hw, ctx.shift = (x.shape[1], x.shape[2]), shift
-        return _partition_cuda(x, window, shift)
+    def forward(ctx, *inputs):
+        out = _partition_cuda(*inputs)
+        _partition_setup(ctx, inputs, out)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        return _merge_cuda(grad, *ctx.hw, ctx.shift), None, None
+        return _partition_grads(ctx, grad, _merge_cuda)
 
 
 class _EagerMerge(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, windows, h, w, shift):
-        ctx.window, ctx.shift = _window_size(windows), shift
-        return _merge_cuda(windows, h, w, shift)
+    def forward(ctx, *inputs):
+        out = _merge_cuda(*inputs)
+        _merge_setup(ctx, inputs, out)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        return _partition_cuda(grad, ctx.window, ctx.shift), None, None, None
+        return _merge_grads(ctx, grad, _partition_cuda)
 
 
 def roll_window_partition(x: torch.Tensor, window: int, shift: int = 0) -> torch.Tensor:

@@ -2,9 +2,10 @@
 
 Drop-ins for torch.optim with the same math and state layout (a state_dict moves between
 ``FusedAdamW`` and ``torch.optim.AdamW`` both ways). On CUDA each step is one kernel launch per
-device over all the tensors (``torch.ops.aiak.fused_*`` from ``aiak.ops``, when importable), with
-GradScaler's unscale/skip and the learning rate read on the device: no host synchronisation.
-Elsewhere, or without ``aiak.ops``, the same math runs with ``torch._foreach_*`` ops.
+device over all the tensors (``torch.ops.aiak.fused_*`` from ``aiak.ops``), with GradScaler's
+unscale/skip and the learning rate read on the device: no host synchronisation. Elsewhere (CPU,
+float64 params, no CuPy) the op runs its PyTorch reference, the same math in
+``torch._foreach_*`` ops.
 
     from aiak.optim import FusedAdamW, LAMB, fuse
     opt = FusedAdamW(model.parameters(), lr=1e-3)      # or: opt = fuse(torch.optim.AdamW(...))

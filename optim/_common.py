@@ -92,7 +92,7 @@ def copy_back_targets(optimizer: Any, params: Sequence[torch.Tensor]) -> list[to
 # A step of a stable tensor set is the same call with new grads: everything else (params, state
 # tensors, copy-back targets, the op's device table) is built once per group (``Plan``, holding
 # an ``aiak.ops`` bound step), and each step re-validates it with a few C-level identity and
-# address passes (benchmarks/profile_optim_host.py measures them).
+# address passes (research/profile_optim_host.py measures them).
 
 
 class Plan:
@@ -279,13 +279,18 @@ class FusedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         super().zero_grad(self._set_grad_none if set_to_none is None else set_to_none)
 
-    @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One update of every param group with grads: per group, ``_step_group`` calls the
+        plan's bound op (see ``docs/architecture.md`` for the call chain to the launch)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._step(self._plans())
+        with torch.no_grad():
+            plans = self._plans()
+            self._before_groups(plans)
+            for plan, grads in plans:
+                self._step_group(plan, grads)
         return loss
 
     # ---- plans ------------------------------------------------------------------------------
@@ -359,9 +364,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         """The plan's bound op (``aiak.ops`` bind), or None when the step calls ops itself."""
         return None
 
-    def _step(self, plans: list[tuple[Plan, list[torch.Tensor]]]) -> None:
-        for plan, grads in plans:
-            self._step_group(plan, grads)
+    def _before_groups(self, plans: list[tuple[Plan, list[torch.Tensor]]]) -> None:
+        """What a step computes over every group before the groups' updates (LAMB's global
+        grad norm); nothing by default."""
 
     def _step_group(self, plan: Plan, grads: list[torch.Tensor]) -> None:
         raise NotImplementedError

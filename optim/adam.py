@@ -92,11 +92,11 @@ class FusedAdam(C.FusedOptimizer):
             "state_steps": [s["step"] for s in states],
         }
 
-    def _bind(self, plan: C.Plan) -> aiak.ops.Bound:
+    def _bind(self, plan: C.Plan) -> Any:
         s = plan.lists
         rest = [s["exp_avgs"], s["exp_avg_sqs"], s["max_exp_avg_sqs"], s["state_steps"]]
         conform = C.conformer(type(self).__name__, plan)
-        return aiak.ops.bind(aiak.ops.fused_adam_, plan.params, [*rest, plan.copy_to], conform)
+        return aiak.ops.fused_adam_.bind(plan.params, [*rest, plan.copy_to], conform)
 
     def _step_group(self, plan: C.Plan, grads: list[torch.Tensor]) -> None:
         group, device = plan.group, plan.device

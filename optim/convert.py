@@ -2,8 +2,9 @@
 
 - :func:`fuse` takes a torch ``Adam``/``AdamW``/``SGD`` and returns its aiak twin with the same
   param groups, hyper-parameters and state (so training goes on on the same trajectory).
-- :func:`from_env` does it when ``AIAK_FUSED_OPTIMIZER=1`` (the seed's variable).
-- :func:`install` adds ``torch.optim.LAMB`` (the seed's spelling); :func:`uninstall` removes it.
+- :func:`from_env` does it when ``AIAK_FUSED_OPTIMIZER=1`` (AIAK-Training's variable).
+- :func:`install` adds ``torch.optim.LAMB`` (AIAK-Training's spelling); :func:`uninstall`
+  removes it.
 """
 
 from __future__ import annotations

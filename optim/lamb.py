@@ -1,8 +1,9 @@
 """LAMB (You et al., ICLR 2020) with apex FusedLAMB's math: global-norm clipping, Adam moments,
-a per-tensor trust ratio. ``FusedLAMB`` has apex's signature and defaults, ``LAMB`` the
-seed's (AIAK-Training's ``torch.optim.LAMB``). The math is the op's (``aiak::fused_lamb_``,
-ops/fused_lamb.py); per step: the global grad norm over every group
-(``aiak::multi_tensor_l2norm``, all dtypes in one call), then ``fused_lamb_`` per group.
+a per-tensor trust ratio. ``FusedLAMB`` has apex's signature and defaults, ``LAMB``
+AIAK-Training's (its ``torch.optim.LAMB``). The math is the op's (``aiak::fused_lamb_``,
+ops/fused_lamb.py); per step: the grad norm over every group on each device
+(``aiak::multi_tensor_l2norm``, all dtypes in one call), then ``fused_lamb_`` per group, which
+combines the devices' norms into the global one.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 
 import aiak.ops
+from aiak.ops.multi_tensor_l2norm import BoundNorm
 from aiak.optim import _common as C
 
 __all__ = ["LAMB", "FusedLAMB"]
@@ -84,63 +86,57 @@ class FusedLAMB(C.FusedOptimizer):
             "state_steps": [s["step"] for s in states],
         }
 
-    def _bind(self, plan: C.Plan) -> aiak.ops.Bound:
+    def _bind(self, plan: C.Plan) -> Any:
         s = plan.lists
         rest = [s["exp_avgs"], s["exp_avg_sqs"], self._workspaces(plan), s["state_steps"]]
         conform = C.conformer(type(self).__name__, plan)
-        return aiak.ops.bind(aiak.ops.fused_lamb_, plan.params, [*rest, plan.copy_to], conform)
+        return aiak.ops.fused_lamb_.bind(plan.params, [*rest, plan.copy_to], conform)
 
-    def _step(self, plans: list[tuple[C.Plan, list[torch.Tensor]]]) -> None:
-        """One global grad norm over every group (apex's semantics), then the update per group.
-
-        With one device the norm op's total is the global norm as it is; with several,
-        per-device norms are combined on the first device.
-        """
-        if not plans:
-            return
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
+    def _before_groups(self, plans: list[tuple[C.Plan, list[torch.Tensor]]]) -> None:
+        """The global grad norm over every group (apex's semantics), in parts: one L2 norm of
+        the grads per device (``fused_lamb_`` combines them), each through a ``BoundNorm``
+        kept while that device's plans (so the parameter lists) stay the same objects."""
+        by_device: dict[torch.device, tuple[list[C.Plan], list[torch.Tensor]]] = {}
         for plan, grads in plans:
             found = by_device.get(plan.device)
-            by_device[plan.device] = grads if found is None else found + grads
-        norms = [self._norm(device, plans, grads) for device, grads in by_device.items()]
-        if len(norms) == 1:
-            total = norms[0]
-        else:
-            first = next(iter(by_device))
-            sums = [(n**2).to(first, non_blocking=True) for n in norms]
-            total = torch.stack(sums).sum().sqrt()
-        for plan, grads in plans:
-            group, device = plan.group, plan.device
-            lr, lr_tensor = C.lr_args(group["lr"], device)
-            grad_scale, found_inf = C.amp_args(self, device)
-            beta1, beta2 = group["betas"]
-            plan.bound(
-                grads,
-                total if total.device == device else total.to(device, non_blocking=True),
-                lr,
-                lr_tensor,
-                float(beta1),
-                float(beta2),
-                float(group["eps"]),
-                float(group["weight_decay"]),
-                group["bias_correction"],
-                group["grad_averaging"],
-                group["adam_w_mode"],
-                group["use_nvlamb"],
-                float(group["max_grad_norm"]),
-                grad_scale,
-                found_inf,
+            by_device[plan.device] = (
+                ([plan], grads) if found is None else ([*found[0], plan], found[1] + grads)
             )
+        kept = self.__dict__.setdefault("_norms", {})
+        norms = []
+        for device, (mine, grads) in by_device.items():
+            found = kept.get(device)
+            if (
+                found is None
+                or len(found[0]) != len(mine)
+                or any(map(operator.is_not, found[0], mine))
+            ):
+                found = kept[device] = (mine, BoundNorm())
+            norms.append(found[1](grads))
+        self.__dict__["_aiak_grad_norms"] = norms
 
-    def _norm(self, device: torch.device, plans: list, grads: list[torch.Tensor]) -> torch.Tensor:
-        """The L2 norm of the grads on ``device``, through a ``BoundNorm`` kept while the
-        plans (so the parameter lists) stay the same objects."""
-        mine = [plan for plan, _ in plans if plan.device == device]
-        norms = self.__dict__.setdefault("_norms", {})
-        found = norms.get(device)
-        if found is None or len(found[0]) != len(mine) or any(map(operator.is_not, found[0], mine)):
-            found = norms[device] = (mine, aiak.ops.BoundNorm())
-        return found[1](grads)
+    def _step_group(self, plan: C.Plan, grads: list[torch.Tensor]) -> None:
+        group, device = plan.group, plan.device
+        lr, lr_tensor = C.lr_args(group["lr"], device)
+        grad_scale, found_inf = C.amp_args(self, device)
+        beta1, beta2 = group["betas"]
+        plan.bound(
+            grads,
+            self.__dict__["_aiak_grad_norms"],
+            lr,
+            lr_tensor,
+            float(beta1),
+            float(beta2),
+            float(group["eps"]),
+            float(group["weight_decay"]),
+            group["bias_correction"],
+            group["grad_averaging"],
+            group["adam_w_mode"],
+            group["use_nvlamb"],
+            float(group["max_grad_norm"]),
+            grad_scale,
+            found_inf,
+        )
 
     def _workspaces(self, plan: C.Plan) -> list[torch.Tensor]:
         """The plan's fp32 update workspaces, one per param: made once per param (kept in
@@ -162,7 +158,7 @@ class FusedLAMB(C.FusedOptimizer):
 
 
 class LAMB(FusedLAMB):
-    """The seed's ``LAMB(params, lr=1e-3, weight_decay=0, betas=(0.9, 0.999), eps=1e-8,
+    """AIAK-Training's ``LAMB(params, lr=1e-3, weight_decay=0, betas=(0.9, 0.999), eps=1e-8,
     adam_w_mode=True, grad_averaging=True, set_grad_none=True, max_grad_norm=1.0)``; same math
     as :class:`FusedLAMB` (and the same kernels)."""
 

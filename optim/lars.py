@@ -68,7 +68,7 @@ class LARS(C.FusedOptimizer):
     def _plan_lists(self, group: dict, params: list[torch.Tensor]) -> dict[str, list]:
         return sgd_plan_lists(self, group, params)
 
-    def _bind(self, plan: C.Plan) -> aiak.ops.Bound | None:
+    def _bind(self, plan: C.Plan) -> Any:
         return sgd_bind(self, plan)
 
     def _step_group(self, plan: C.Plan, grads: list[torch.Tensor]) -> None:

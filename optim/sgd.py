@@ -64,11 +64,51 @@ class FusedSGD(C.FusedOptimizer):
     def _plan_lists(self, group: dict, params: list[torch.Tensor]) -> dict[str, list]:
         return sgd_plan_lists(self, group, params)
 
-    def _bind(self, plan: C.Plan) -> aiak.ops.Bound | None:
+    def _bind(self, plan: C.Plan) -> Any:
         return sgd_bind(self, plan)
 
-    def _step_group(self, plan: C.Plan, grads: list[torch.Tensor]) -> None:
-        sgd_step(self, plan, grads, scales=None)
+    def _step_group(
+        self, plan: C.Plan, grads: list[torch.Tensor], scales: torch.Tensor | None = None
+    ) -> None:
+        """One SGD update of ``plan.params`` (LARS passes its per-tensor trust ratios as
+        ``scales``).
+
+        Params whose momentum buffer exists and those on their first step are two calls, as the
+        first step sets the buffer instead of averaging into it; a plan with first-step params is
+        used once (the next step rebuilds it, all buffers existing).
+        """
+        group, device, params = plan.group, plan.device, plan.params
+        lr, lr_tensor = C.lr_args(group["lr"], device)
+        grad_scale, found_inf = C.amp_args(self, device)
+        tail = (
+            float(group.get("momentum", 0.0)),
+            float(group.get("dampening", 0.0)),
+            float(group["weight_decay"]),
+            bool(group.get("nesterov", False)),
+            bool(group.get("maximize", False)),
+        )
+        first = plan.lists["first"]
+        if not first:
+            plan.bound(grads, lr, lr_tensor, *tail, False, scales, grad_scale, found_inf)
+            return
+        plan.stale = True
+        if _skipped(found_inf):
+            # Not applied: the new buffers go again, so the next applied step is these params'
+            # first.
+            for i in first:
+                del self.state[params[i]]["momentum_buffer"]
+            return
+        grads = C.conform_grads(type(self).__name__, plan, grads)
+        is_first = set(first)
+        rest = [i for i in range(len(params)) if i not in is_first]
+        bufs, copy_to = plan.lists["momentum_buffers"], plan.copy_to
+        for step_is_first, idx in ((False, rest), (True, first)):
+            if not idx:
+                continue
+            lists = [[t[i] for i in idx] if t else [] for t in (params, grads, bufs, copy_to)]
+            sub = None if scales is None else scales[idx]
+            args = (*lists, lr, lr_tensor, *tail, step_is_first, sub, grad_scale, found_inf)
+            aiak.ops.fused_sgd_(*args)
 
 
 def sgd_plan_key(group: dict) -> Any:
@@ -91,14 +131,15 @@ def sgd_plan_lists(
     return {"momentum_buffers": [st["momentum_buffer"] for st in states], "first": first}
 
 
-def sgd_bind(opt: C.FusedOptimizer, plan: C.Plan) -> aiak.ops.Bound | None:
+def sgd_bind(opt: C.FusedOptimizer, plan: C.Plan) -> Any:
     """The steady-state step (every momentum buffer exists); None while some param is on its
-    first step (that step is split in two calls, below, and the plan is rebuilt after it)."""
+    first step (that step is split in two calls, ``_step_group``, and the plan is rebuilt
+    after it)."""
     if plan.lists["first"]:
         return None
     rest = [plan.lists["momentum_buffers"], plan.copy_to]
     conform = C.conformer(type(opt).__name__, plan)
-    return aiak.ops.bind(aiak.ops.fused_sgd_, plan.params, rest, conform)
+    return aiak.ops.fused_sgd_.bind(plan.params, rest, conform)
 
 
 def _skipped(found_inf: torch.Tensor | None) -> bool:
@@ -110,47 +151,5 @@ def _skipped(found_inf: torch.Tensor | None) -> bool:
     return bool(found_inf.item() != 0)
 
 
-def sgd_step(
-    opt: C.FusedOptimizer,
-    plan: C.Plan,
-    grads: list[torch.Tensor],
-    scales: torch.Tensor | None,
-) -> None:
-    """One SGD update of ``plan.params`` (LARS passes its per-tensor trust ratios as
-    ``scales``).
-
-    Params whose momentum buffer exists and those on their first step are two calls, as the
-    first step sets the buffer instead of averaging into it; a plan with first-step params is
-    used once (the next step rebuilds it, all buffers existing).
-    """
-    group, device, params = plan.group, plan.device, plan.params
-    lr, lr_tensor = C.lr_args(group["lr"], device)
-    grad_scale, found_inf = C.amp_args(opt, device)
-    tail = (
-        float(group.get("momentum", 0.0)),
-        float(group.get("dampening", 0.0)),
-        float(group["weight_decay"]),
-        bool(group.get("nesterov", False)),
-        bool(group.get("maximize", False)),
-    )
-    first = plan.lists["first"]
-    if not first:
-        plan.bound(grads, lr, lr_tensor, *tail, False, scales, grad_scale, found_inf)
-        return
-    plan.stale = True
-    if _skipped(found_inf):
-        # Not applied: the new buffers go again, so the next applied step is these params' first.
-        for i in first:
-            del opt.state[params[i]]["momentum_buffer"]
-        return
-    grads = C.conform_grads(type(opt).__name__, plan, grads)
-    is_first = set(first)
-    rest = [i for i in range(len(params)) if i not in is_first]
-    bufs, copy_to = plan.lists["momentum_buffers"], plan.copy_to
-    for step_is_first, idx in ((False, rest), (True, first)):
-        if not idx:
-            continue
-        lists = [[t[i] for i in idx] if t else [] for t in (params, grads, bufs, copy_to)]
-        sub = None if scales is None else scales[idx]
-        args = (*lists, lr, lr_tensor, *tail, step_is_first, sub, grad_scale, found_inf)
-        aiak.ops.fused_sgd_(*args)
+# LARS's update: SGD's with its per-tensor trust ratios as ``scales``
+sgd_step = FusedSGD._step_group

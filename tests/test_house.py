@@ -14,9 +14,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # Every top-level folder with an __init__.py is a subpackage (aiak.<folder>), present or future.
 SUBPACKAGES = tuple(sorted(p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file()))
-# the op kernels, and the benchmarks' own (benchmarks/kernels: lower bounds for profiling)
+# the op kernels, and research's own (research/kernels: lower bounds for profiling)
 KERNELS = sorted((ROOT / "ops" / "kernels").glob("*.cu")) + sorted(
-    (ROOT / "benchmarks" / "kernels").glob("*.cu")
+    (ROOT / "research" / "kernels").glob("*.cu")
 )
 
 

@@ -464,7 +464,7 @@ __device__ void count_body(const float* __restrict__ x, i64* base, i64 n, i64 m,
 #pragma unroll
   for (int j = 0; j < NC; ++j) treg[j] = REG && j0 + j < nthr ? s_sorted[j0 + j] : 0x7fffffff;
 
-  // Where the fast count's time goes (H100, 25M elements, benchmarks/profile_dgc_floor.py, x
+  // Where the fast count's time goes (H100, 25M elements, research/profile_dgc_floor.py, x
   // read with the streaming hint): one read of x alone takes 33.3 us, with the four counts per
   // element 33.8, with the counts written per warp and tile 34.2; the candidates in index order
   // bring it to 36.4 and the totals, ticket and loop of the last block to 38.5-39.4 (43.1 with

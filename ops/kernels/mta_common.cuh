@@ -141,7 +141,7 @@ __device__ bool last_to_arrive(u64* ticket, u64 arrivals) {
 }
 
 // Programmatic dependent launch (sm_90 and later): a kernel the host launches with
-// DriverKernel(..., after_previous=True) may start while the kernel before it on the stream
+// Kernel(..., after_previous=True) may start while the kernel before it on the stream
 // still runs. grid_dep_wait() returns once that kernel has ended and its writes are visible, so
 // such a kernel calls it before it touches memory an earlier kernel writes or reads.
 // grid_dep_launch() lets the next such kernel start early (its blocks wait in grid_dep_wait).

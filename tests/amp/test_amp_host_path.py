@@ -1,7 +1,7 @@
 """The cached copy plans of amp's step path: reused while the tensors stay, rebuilt when not.
 
 amp keeps the grad copy and the copy-back prepared across steps (host time, see
-``benchmarks/profile_amp_host.py``); these tests change the tensors under it in every way a
+``research/profile_amp_host.py``); these tests change the tensors under it in every way a
 training script can (new grads each step, a replaced grad, a grad or param given new storage,
 a param with no grad this time, channels_last) and check that the masters still mirror the
 model grads after every backward and the model holds the masters after every step.

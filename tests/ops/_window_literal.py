@@ -63,7 +63,3 @@ def rel_index(ws):
     flat = coords.flatten(1)
     rel = (flat[:, :, None] - flat[:, None, :]).permute(1, 2, 0) + (ws - 1)
     return rel[:, :, 0] * (2 * ws - 1) + rel[:, :, 1]
-
-
-def rel_err(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()

@@ -1,13 +1,14 @@
-"""The CUDA launch layer's CPU-testable parts: sources, options, shims, capabilities."""
+"""The CUDA launch layer's CPU-testable parts: sources, capabilities, the launcher's packing
+(``cuLaunchKernelEx`` recorded instead of called)."""
 
 from __future__ import annotations
 
-import sys
-import types
+import struct
+import warnings
 
-import numpy as np
 import pytest
 import torch
+from _recorder import Recorder
 
 import aiak.ops
 from aiak.ops import _capability, _cuda, _driver
@@ -29,16 +30,6 @@ def test_kernels_disabled_parses_strictly(monkeypatch: pytest.MonkeyPatch) -> No
         _cuda.kernels_disabled()
 
 
-def test_numba_shim_restores_row_stack(monkeypatch: pytest.MonkeyPatch) -> None:
-    # numba-cuda 0.30.4 calls np.row_stack, gone in numpy 2.5: the shim aliases it to vstack.
-    monkeypatch.delattr(np, "row_stack", raising=False)
-    fake = types.ModuleType("numba.cuda")
-    monkeypatch.setitem(sys.modules, "numba.cuda", fake)
-    monkeypatch.setitem(sys.modules, "numba", types.ModuleType("numba"))
-    assert _cuda.import_numba_cuda() is fake
-    assert np.row_stack is np.vstack
-
-
 def test_capability_reasons_on_cpu_and_for_dtypes() -> None:
     cap = _capability.Capability("demo", dtypes=(torch.float32,))
     assert cap.not_supported_reasons(torch.device("cpu")) == [
@@ -48,7 +39,9 @@ def test_capability_reasons_on_cpu_and_for_dtypes() -> None:
 
 def test_backends_reports_why_not() -> None:
     info = aiak.ops.backends()
-    assert set(info) >= {"torch", "cuda", "cupy", "numba_cuda", "ops"}
+    assert set(info) >= {"torch", "cuda", "cupy", "ops", "conditions"}
+    assert "head_dim in (32, 64)" in info["conditions"]["window_attention"]
+    assert set(info["conditions"]) >= {"fused_adam_", "fused_sgd_", "fused_lamb_"}
     assert set(info["ops"]) >= {"multi_tensor_l2norm", "multi_tensor_scale_"}
     if not torch.cuda.is_available():
         assert info["cuda"]["reason"] and all(
@@ -56,6 +49,24 @@ def test_backends_reports_why_not() -> None:
         )
     if not info["cupy"]["available"]:
         assert "cupy" in info["cupy"]["reason"]
+
+
+def test_input_reasons_join_the_capability_and_warn_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    cap = _capability.Capability(
+        "demo", input_reasons=lambda n: [f"demo: n = {n} > 4"] if n > 4 else []
+    )
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(_cuda, "cupy_unavailable_reason", lambda: None)
+    monkeypatch.setattr(_cuda, "device_capability", lambda device: (9, 0))
+    assert cap.not_supported_reasons(cuda, (torch.float32,), (5,)) == ["demo: n = 5 > 4"]
+    assert cap.not_supported_reasons(cuda, (torch.float32,), (3,)) == []
+    _capability.clear_warnings()
+    assert _capability.use_kernel(cap, cuda, (torch.float32,), (3,))
+    with pytest.warns(RuntimeWarning, match="demo: n = 5 > 4"):
+        assert not _capability.use_kernel(cap, cuda, (torch.float32,), (5,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per reason set
+        assert not _capability.use_kernel(cap, cuda, (torch.float32,), (5,))
 
 
 def test_is_dense() -> None:
@@ -90,124 +101,47 @@ def test_grad_mode_alone_keeps_the_eager_fast_path() -> None:
         assert L2NORM_OP.eager_kernel(([ts[0], leaf], True)) is L2NORM_OP.reference
 
 
-class _StandIn:
-    """A CuPy RawKernel without a driver handle: records what CuPy would be asked to launch."""
-
-    name = "probe"
-
-    def __init__(self) -> None:
-        self.calls: list[tuple] = []
-
-    def __call__(self, grid, block, args, shared_mem=0, stream=None) -> None:
-        self.calls.append((grid, block, args, shared_mem))
-
-
-def test_driver_kernel_fallback_argument_types(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without a driver handle, DriverKernel hands CuPy numpy scalars of the kernel's types
-    and the same grid, block and shared memory."""
-    import ctypes
-
-    assert _driver._numpy_type(ctypes.c_uint64) is np.uint64
-    assert _driver._numpy_type(ctypes.c_int64) is np.int64
-    assert _driver._numpy_type(ctypes.c_int32) is np.int32
-    assert _driver._numpy_type(ctypes.c_uint32) is np.uint32
-    assert _driver._numpy_type(ctypes.c_float) is np.float32
-    assert _driver._numpy_type(ctypes.c_double) is np.float64
-    monkeypatch.setattr(_cuda, "current_stream", lambda: None)
-    fn = _StandIn()
-    k = _driver.DriverKernel(fn, (ctypes.c_uint64, ctypes.c_float, ctypes.c_int64))
-    assert k._ptr is None
-    k(3, 128, 2**40, 0.5, 7)
-    k((3, 2), (32, 4, 2), 1, 0.25, -(2**40), shared_mem=70000)
-    (g1, b1, args, smem1), (g2, b2, args2, smem2) = fn.calls
-    assert (g1, b1, smem1) == ((3, 1, 1), (128, 1, 1), 0)
-    assert (g2, b2, smem2) == ((3, 2, 1), (32, 4, 2), 70000)
-    assert [type(a) for a in args] == [np.uint64, np.float32, np.int64]
-    assert [int(args[0]), float(args[1]), int(args[2])] == [2**40, 0.5, 7]
-    assert int(args2[2]) == -(2**40)
-    # the fallback checks values as the driver path does: nothing wraps
-    with pytest.raises(ValueError, match=r"probe: argument 0 \(-1\) does not fit c_ulong"):
-        k(1, 1, -1, 0.5, 7)
-    assert len(fn.calls) == 2
-
-
-def _recording_driver(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
-    seen: list[tuple] = []
-
-    def cu_launch_kernel(ptr, gx, gy, gz, bx, by, bz, smem, stream, params, extra) -> int:
-        seen.append((ptr, (gx, gy, gz), (bx, by, bz), smem, stream, len(params)))
-        return 0
-
-    monkeypatch.setattr(_driver, "_driver", lambda: cu_launch_kernel)
-    monkeypatch.setattr(_driver, "_driver_ex", lambda: None)  # a driver without it
-    monkeypatch.setattr(_cuda, "device_index", lambda: 0)
-    monkeypatch.setattr(_cuda, "raw_stream", lambda device: 77)
-    return seen
-
-
-def test_driver_kernel_passes_grid_block_and_shared_memory(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    import ctypes
-
-    seen = _recording_driver(monkeypatch)
-    fn = _StandIn()
-    fn.kernel = types.SimpleNamespace(ptr=0xABC)
-    k = _driver.DriverKernel(fn, (ctypes.c_uint64, ctypes.c_int32))
-    k(5, 256, 1, 2)
-    k((5, 6), (16, 8), 1, 2, shared_mem=100 * 1024)
-    k((5, 6, 7), (4,), 1, 2)
-    assert seen == [
-        (0xABC, (5, 1, 1), (256, 1, 1), 0, 77, 2),
-        (0xABC, (5, 6, 1), (16, 8, 1), 100 * 1024, 77, 2),
-        (0xABC, (5, 6, 7), (4, 1, 1), 0, 77, 2),
+def test_a_launch_packs_declared_types_on_torch_stream(recorder: Recorder) -> None:
+    k = _driver.Kernel(
+        "multi_tensor_l2norm.cu",
+        "mt_l2norm",
+        "ptr table, i32 T, ptr scratch, ptr per_tensor, ptr total",
+    )
+    t = torch.zeros(3)
+    k(5, 256, t, 7, None, 0xABC0, t)
+    k((5, 6), (16, 8), t, 7, None, 0, t, shared_mem=100 * 1024)
+    k((5, 6, 7), (4,), t, -1, t, t, t)
+    assert [launch["dims"] for launch in recorder.launches] == [
+        (5, 1, 1, 256, 1, 1, 0),
+        (5, 6, 1, 16, 8, 1, 100 * 1024),
+        (5, 6, 7, 4, 1, 1, 0),
     ]
-    assert fn.calls == []
+    assert all(launch["stream"] == 77 and launch["attr"] == () for launch in recorder.launches)
+    first = recorder.launches[0]["args"]
+    assert first == {
+        "table": t.data_ptr(),
+        "T": 7,
+        "scratch": 0,
+        "per_tensor": 0xABC0,
+        "total": t.data_ptr(),
+    }
+    assert recorder.launches[2]["args"]["T"] == -1
 
 
-def test_after_previous_launches_through_cu_launch_kernel_ex(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    import ctypes
-
-    plain = _recording_driver(monkeypatch)
-    ex: list[tuple] = []
-
-    def cu_launch_kernel_ex(config, ptr, params, extra) -> int:
-        *dims, stream, attrs, nattrs = _driver.LAUNCH_CONFIG.unpack_from(config)
-        attr = ()
-        if nattrs:
-            raw = ctypes.string_at(attrs, _driver.LAUNCH_ATTRIBUTE.size)
-            attr = _driver.LAUNCH_ATTRIBUTE.unpack(raw)
-        ex.append((ptr, tuple(dims), stream, nattrs, attr, len(params)))
-        return 0
-
-    monkeypatch.setattr(_driver, "_driver_ex", lambda: cu_launch_kernel_ex)
-    monkeypatch.setattr(_driver, "_dependent_launch_ok", lambda device: True)
-    fn = _StandIn()
-    fn.kernel = types.SimpleNamespace(ptr=0xABC)
-    after = _driver.DriverKernel(fn, (ctypes.c_uint64,), after_previous=True)
-    first = _driver.DriverKernel(fn, (ctypes.c_uint64,))
-    first(2, 64, 1)
-    after(3, 128, 1)
-    after((3, 2), 32, 1, shared_mem=4096)
-    # every launch goes through cuLaunchKernelEx on torch's stream; the dependent ones carry
-    # attribute 6 (programmatic stream serialization) set to 1
-    assert ex == [
-        (0xABC, (2, 1, 1, 64, 1, 1, 0), 77, 0, (), 1),
-        (0xABC, (3, 1, 1, 128, 1, 1, 0), 77, 1, (6, 1), 1),
-        (0xABC, (3, 2, 1, 32, 1, 1, 4096), 77, 1, (6, 1), 1),
-    ]
+def test_after_previous_launches_are_programmatic(recorder: Recorder) -> None:
+    params = "ptr table, i32 T, i32 list, ptr found_inf"
+    after = _driver.Kernel("fused_adam.cu", "bump_steps", params, after_previous=True)
+    first = _driver.Kernel("fused_adam.cu", "bump_steps", params)
+    first(2, 64, 0, 1, 4, None)
+    after(3, 128, 0, 1, 4, None)
+    # attribute 6 (programmatic stream serialization) set to 1 on the dependent launch only
+    assert [launch["attr"] for launch in recorder.launches] == [(), (6, 1)]
     try:
         assert _driver.programmatic_launches(False) is True
-        after(4, 32, 1)  # switched off: a plain launch
+        after(4, 32, 0, 1, 4, None)  # switched off: a plain launch
     finally:
         assert _driver.programmatic_launches(True) is False
-    assert ex[-1] == (0xABC, (4, 1, 1, 32, 1, 1, 0), 77, 0, (), 1)
-    monkeypatch.setattr(_driver, "_dependent_launch_ok", lambda device: False)  # before sm_90
-    after(5, 32, 1)
-    assert ex[-1] == (0xABC, (5, 1, 1, 32, 1, 1, 0), 77, 0, (), 1)
-    assert plain == []
+    assert recorder.launches[-1]["attr"] == ()
 
 
 def test_launch_config_layouts_match_cuda_h(tmp_path) -> None:
@@ -263,118 +197,57 @@ def test_launch_config_layouts_match_cuda_h(tmp_path) -> None:
         (4, 32, 2**32, ValueError, "shared_mem must be an int in"),
     ],
 )
-def test_driver_kernel_refuses_launch_numbers_that_would_wrap(
-    monkeypatch: pytest.MonkeyPatch, grid, block, shared_mem, exc, match
+def test_launch_numbers_that_would_wrap_are_refused(
+    recorder: Recorder, grid, block, shared_mem, exc, match
 ) -> None:
-    import ctypes
-
-    seen = _recording_driver(monkeypatch)
-    fn = _StandIn()
-    fn.kernel = types.SimpleNamespace(ptr=1)
-    k = _driver.DriverKernel(fn, (ctypes.c_int32,))
+    k = _driver.Kernel("fused_adam.cu", "bump_steps", "ptr table, i32 T, i32 list, ptr found_inf")
     with pytest.raises(exc, match=match):
-        k(grid, block, 1, shared_mem=shared_mem)
-    assert seen == []
+        k(grid, block, 0, 1, 4, None, shared_mem=shared_mem)
+    assert recorder.launches == []
 
 
 @pytest.mark.parametrize(
-    ("argtypes", "values", "match"),
+    ("params", "values", "match"),
     [
-        (("c_int32",), (2**31,), r"argument 0 \(2147483648\) does not fit c_int"),
-        (("c_int32",), (-(2**31) - 1,), "argument 0"),
-        (("c_uint64", "c_int64"), (0, 2**63), r"argument 1 \(9223372036854775808\)"),
-        (("c_uint64",), (-1,), "argument 0"),
-        (("c_int32",), (1.5,), "argument 0"),
-        (("c_int32", "c_int32"), (1,), "probe takes 2 arguments, got 1"),
+        ("i32 n", (2**31,), r"k: n \(2147483648\) does not fit i32"),
+        ("i32 n", (-(2**31) - 1,), "k: n "),
+        ("ptr x, i64 n", (0, 2**63), r"k: n \(9223372036854775808\) does not fit i64"),
+        ("ptr x", (-1,), "k: x "),
+        ("i32 n", (1.5,), "k: n "),
+        ("i32 a, i32 b", (1,), "k takes 2 arguments, got 1"),
     ],
 )
-def test_driver_kernel_refuses_values_that_do_not_fit(
-    monkeypatch: pytest.MonkeyPatch, argtypes, values, match
+def test_values_that_do_not_fit_their_type_are_refused(
+    recorder: Recorder, params, values, match
 ) -> None:
-    import ctypes
-
-    seen = _recording_driver(monkeypatch)
-    fn = _StandIn()
-    fn.kernel = types.SimpleNamespace(ptr=1)
-    k = _driver.DriverKernel(fn, tuple(getattr(ctypes, t) for t in argtypes))
+    k = _driver.Kernel("a.cu", "k", params)
+    k._handles[0] = 1  # loaded: no source to read
     with pytest.raises(ValueError, match=match):
         k(1, 1, *values)
-    assert seen == []
+    assert recorder.launches == []
 
 
-def test_a_float_beyond_float32_packs_as_inf(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_float_beyond_float32_packs_as_inf(recorder: Recorder) -> None:
     """C's conversion (and a float32 tensor's): not a wrap, and what cast_scale_ relies on."""
-    import ctypes
-    import struct
-
-    _recording_driver(monkeypatch)
-    fn = _StandIn()
-    fn.kernel = types.SimpleNamespace(ptr=1)
-    k = _driver.DriverKernel(fn, (ctypes.c_float, ctypes.c_double))
+    k = _driver.Kernel("a.cu", "k", "f32 a, f64 b")
+    k._handles[0] = 1
     k(1, 1, -1e39, 1e300)
     buf = k._local.slots[0]
     assert struct.unpack_from("@fd", buf) == (float("-inf"), 1e300)
 
 
-def test_argtype_keeps_numpy_scalar_types() -> None:
-    import ctypes
-
-    assert _driver.argtype(torch.zeros(1)) is ctypes.c_uint64
-    assert _driver.argtype(torch.nn.Parameter(torch.zeros(1))) is ctypes.c_uint64
-    assert _driver.argtype(None) is ctypes.c_uint64
-    assert _driver.argtype(3) is ctypes.c_int32
-    assert _driver.argtype(True) is ctypes.c_int32
-    assert _driver.argtype(0.5) is ctypes.c_float
-    assert _driver.argtype(np.int32(3)) is ctypes.c_int32
-    assert _driver.argtype(np.int64(3)) is ctypes.c_int64
-    assert _driver.argtype(np.uint32(3)) is ctypes.c_uint32
-    assert _driver.argtype(np.uint64(3)) is ctypes.c_uint64
-    assert _driver.argtype(np.float32(0.5)) is ctypes.c_float
-    # np.float64 is a subclass of float, and still a double
-    assert _driver.argtype(np.float64(0.5)) is ctypes.c_double
-    for bad in (np.int16(1), "1", ctypes.c_int64(1), 1j):
-        with pytest.raises(TypeError, match="a kernel argument must be"):
-            _driver.argtype(bad)
-
-
-def test_run_kernel_makes_one_kernel_per_source_name_options_and_device(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    import ctypes
-
-    seen = _recording_driver(monkeypatch)
-    compiled = []
-
-    def get_function(source, name, options=_cuda.DEFAULT_OPTIONS):
-        compiled.append((source, name, options))
-        fn = _StandIn()
-        fn.kernel = types.SimpleNamespace(ptr=len(compiled))
-        return fn
-
-    monkeypatch.setattr(_cuda, "get_function", get_function)
-    monkeypatch.setattr(_driver, "_launchers", {})
-    t = torch.zeros(2)
-    opts = ("-std=c++17", "--fmad=false")
-    _driver.run_kernel("a.cu", "k", (2, 3), 64, t, None, 1, 0.5, np.int64(2**40), np.float64(0.1))
-    _driver.run_kernel("a.cu", "k", 1, 64, t, t, 2, 1.5, np.int64(3), np.float64(0.2))
-    _driver.run_kernel("a.cu", "k", 1, 64, t, t, 2, 1.5, np.int64(3), np.float64(0.2), options=opts)
-    monkeypatch.setattr(_cuda, "device_index", lambda: 1)
-    _driver.run_kernel("a.cu", "k", 1, 64, t, t, 2, 1.5, np.int64(3), np.float64(0.2))
-    default = ("a.cu", "k", _cuda.DEFAULT_OPTIONS)
-    assert compiled == [default, ("a.cu", "k", opts), default]  # once per key
-    assert [k[2:] for k in _driver._launchers] == [
-        (_cuda.DEFAULT_OPTIONS, 0),
-        (opts, 0),
-        (_cuda.DEFAULT_OPTIONS, 1),
-    ]
-    kernel = next(iter(_driver._launchers.values()))
-    assert kernel._argtypes == (
-        ctypes.c_uint64,
-        ctypes.c_uint64,
-        ctypes.c_int32,
-        ctypes.c_float,
-        ctypes.c_int64,
-        ctypes.c_double,
-    )
-    assert [s[1:4] for s in seen] == [((2, 3, 1), (64, 1, 1), 0)] + [((1, 1, 1), (64, 1, 1), 0)] * 3
-    assert [s[0] for s in seen] == [1, 1, 2, 3]  # each launch on its kernel's handle
+def test_declarations_are_checked_against_the_source_at_load(recorder: Recorder) -> None:
+    good = "ptr table, i32 T, i32 list, ptr found_inf"
+    _driver.Kernel("fused_adam.cu", "bump_steps", good)(1, 1, 0, 1, 4, None)
+    bad = _driver.Kernel("fused_adam.cu", "bump_steps", "ptr table, i64 T, i32 list, ptr found_inf")
+    with pytest.raises(
+        TypeError,
+        match=r"bump_steps: declared \(ptr table, i64 T.*fused_adam.cu has \(ptr table, i32 T",
+    ):
+        bad(1, 1, 0, 1, 4, None)
+    missing = _driver.Kernel("fused_adam.cu", "no_such_kernel", "ptr x")
+    with pytest.raises(TypeError, match="has no extern"):
+        missing(1, 1, None)
+    with pytest.raises(ValueError, match="a kernel parameter is"):
+        _driver.Kernel("fused_adam.cu", "bump_steps", "ptr table, int T")
+    assert len(recorder.launches) == 1

@@ -8,23 +8,19 @@ import warnings
 
 import pytest
 import torch
+from _numerics import assert_rel
 from hypothesis import given
 from hypothesis import strategies as st
 
 import aiak.ops
 from aiak.ops import _mta
+from aiak.ops.multi_tensor_l2norm import BoundNorm
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _f64_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([t.double().square().sum() for t in tensors])
-
-
-def _assert_rel(out: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
-    out, ref = out.double().cpu(), ref.double().cpu()
-    err = (out - ref).norm() / ref.norm().clamp_min(1e-300)
-    assert err <= tol, f"rel L2 error {err:.3e} > {tol:.0e}\nout {out[:8]}\nref {ref[:8]}"
 
 
 sizes_st = st.lists(st.integers(0, 70_000), min_size=1, max_size=12)
@@ -38,8 +34,8 @@ def test_l2norm_matches_float64(sizes: list[int], dtype: torch.dtype) -> None:
     assert total.dtype == per.dtype == torch.float32
     assert total.shape == () and per.shape == (len(sizes),)
     # The reference accumulates in fp32 (torch.linalg.vector_norm): the fp32 reduction bound.
-    _assert_rel(per, sq.sqrt(), 1e-5)
-    _assert_rel(total.reshape(1), sq.sum().sqrt().reshape(1), 1e-5)
+    assert_rel(per, sq.sqrt(), 1e-5)
+    assert_rel(total.reshape(1), sq.sum().sqrt().reshape(1), 1e-5)
 
 
 def test_l2norm_without_per_tensor_and_empty_list() -> None:
@@ -64,7 +60,7 @@ def test_l2norm_of_strided_views_is_their_norm() -> None:
     base = torch.randn(10, 6)
     views = [base[:, ::2], base.t(), base[1:, 1:]]
     _, per = aiak.ops.multi_tensor_l2norm(views, per_tensor=True)
-    _assert_rel(per, torch.stack([v.double().norm() for v in views]), 1e-6)
+    assert_rel(per, torch.stack([v.double().norm() for v in views]), 1e-6)
 
 
 def test_l2norm_autograd_matches_torch() -> None:
@@ -184,8 +180,8 @@ def test_cuda_l2norm_matches_float64(dtype: torch.dtype, unaligned: bool) -> Non
         total, per = aiak.ops.multi_tensor_l2norm(ts, per_tensor=True)
     sq = _f64_norms(ts)
     assert per.is_cuda and total.is_cuda
-    _assert_rel(per, sq.sqrt(), 1e-6)
-    _assert_rel(total.reshape(1), sq.sum().sqrt().reshape(1), 1e-6)
+    assert_rel(per, sq.sqrt(), 1e-6)
+    assert_rel(total.reshape(1), sq.sum().sqrt().reshape(1), 1e-6)
 
 
 @pytest.mark.cuda
@@ -197,7 +193,7 @@ def test_cuda_l2norm_mixed_dtypes_thousands_and_determinism() -> None:
     a = aiak.ops.multi_tensor_l2norm(ts, per_tensor=True)
     b = aiak.ops.multi_tensor_l2norm(ts, per_tensor=True)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])  # no atomics: bitwise repeatable
-    _assert_rel(a[1], _f64_norms(ts).sqrt(), 1e-6)
+    assert_rel(a[1], _f64_norms(ts).sqrt(), 1e-6)
 
 
 @pytest.mark.cuda
@@ -211,8 +207,8 @@ def test_cuda_one_launch_resets_its_tickets_and_keeps_a_workspace_per_stream() -
             t.normal_()
         total, per = aiak.ops.multi_tensor_l2norm(ts, per_tensor=True)
         sq = _f64_norms(ts)
-        _assert_rel(per, sq.sqrt(), 1e-6)
-        _assert_rel(total.reshape(1), sq.sum().sqrt().reshape(1), 1e-6)
+        assert_rel(per, sq.sqrt(), 1e-6)
+        assert_rel(total.reshape(1), sq.sum().sqrt().reshape(1), 1e-6)
     tab = _mta.cached("multi_tensor_l2norm", [ts])
     assert tab is not None and len(tab.scratches) == 1
     tickets = next(iter(tab.scratches.values()))[: 1 + len(ts)]  # the layout in the .cu
@@ -225,7 +221,7 @@ def test_cuda_one_launch_resets_its_tickets_and_keeps_a_workspace_per_stream() -
     torch.cuda.current_stream().wait_stream(side)
     assert len(tab.scratches) == 2
     assert all(torch.equal(o, mains[0]) for o in outs + mains)  # bitwise, on both streams
-    _assert_rel(mains[0].reshape(1), _f64_norms(ts).sum().sqrt().reshape(1), 1e-6)
+    assert_rel(mains[0].reshape(1), _f64_norms(ts).sum().sqrt().reshape(1), 1e-6)
 
 
 @pytest.mark.cuda
@@ -255,7 +251,7 @@ def test_cuda_graph_capture_after_warmup() -> None:
     graph.replay()
     torch.cuda.synchronize()
     ref = torch.cat([x.double().flatten() * 2 for x in xs]).norm()
-    _assert_rel(total.reshape(1), ref.reshape(1), 1e-6)
+    assert_rel(total.reshape(1), ref.reshape(1), 1e-6)
 
 
 def test_table_cache_drops_the_least_recently_used(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -314,7 +310,7 @@ def test_cuda_disabled_kernels_fall_back_with_one_warning(monkeypatch: pytest.Mo
     xs = _cuda_set([100], torch.float32)
     with pytest.warns(RuntimeWarning, match="AIAK_DISABLE_KERNELS=1"):
         total, _ = aiak.ops.multi_tensor_l2norm(xs)
-    _assert_rel(total.reshape(1), xs[0].double().norm().reshape(1), 1e-6)
+    assert_rel(total.reshape(1), xs[0].double().norm().reshape(1), 1e-6)
     assert "reference" in aiak.ops.backends()["ops"]["multi_tensor_l2norm"]
 
 
@@ -342,7 +338,7 @@ def test_cuda_validated_fast_path_is_not_fooled_by_views() -> None:
     assert head.data_ptr() == strided.data_ptr() and head.numel() == strided.numel()
     aiak.ops.multi_tensor_l2norm([head])
     total, _ = aiak.ops.multi_tensor_l2norm([strided])
-    _assert_rel(total.reshape(1), strided.double().norm().reshape(1), 1e-6)
+    assert_rel(total.reshape(1), strided.double().norm().reshape(1), 1e-6)
     dst = torch.empty(1000, device="cuda")
     aiak.ops.multi_tensor_scale_([head], [dst], 2.0)
     with pytest.raises(ValueError, match="dense"):
@@ -355,7 +351,6 @@ def test_cuda_validated_fast_path_is_not_fooled_by_views() -> None:
 
 def _bound_norm_cases(device: str) -> None:
     """BoundNorm equals the op when grads stay, move, change values, or change layout."""
-    from aiak.ops import BoundNorm
 
     g = torch.Generator().manual_seed(3)
     shapes = [(7, 3), (5,), (70_000,), (0,), (2, 2, 2)]
@@ -380,12 +375,12 @@ def test_bound_norm_matches_the_op() -> None:
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_bound_norm_is_a_no_grad_norm(device: str) -> None:
     grads = [torch.randn(5, device=device, requires_grad=True), torch.randn(3, device=device)]
-    norm = aiak.ops.BoundNorm()
+    norm = BoundNorm()
     for _ in range(2):  # the op, then (on CUDA) the kept table
         total = norm(grads)
         assert not total.requires_grad and total.grad_fn is None
         ref = torch.cat([g.detach().double() for g in grads]).norm()
-        _assert_rel(total.reshape(1), ref.reshape(1), 1e-6)
+        assert_rel(total.reshape(1), ref.reshape(1), 1e-6)
 
 
 @pytest.mark.cuda

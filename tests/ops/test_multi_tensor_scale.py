@@ -12,16 +12,6 @@ import aiak.ops
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _f64_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.stack([t.double().square().sum() for t in tensors])
-
-
-def _assert_rel(out: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
-    out, ref = out.double().cpu(), ref.double().cpu()
-    err = (out - ref).norm() / ref.norm().clamp_min(1e-300)
-    assert err <= tol, f"rel L2 error {err:.3e} > {tol:.0e}\nout {out[:8]}\nref {ref[:8]}"
-
-
 sizes_st = st.lists(st.integers(0, 70_000), min_size=1, max_size=12)
 
 

@@ -40,7 +40,7 @@ def _valid(op: str) -> dict[str, object]:
         )  # fmt: skip
     return dict(
         params=_lists(), grads=_lists(), exp_avgs=_lists(), exp_avg_sqs=_lists(),
-        updates=_lists(), state_steps=steps, copy_to=[], grad_norm=torch.ones(()), lr=0.1,
+        updates=_lists(), state_steps=steps, copy_to=[], grad_norms=[torch.ones(())], lr=0.1,
         lr_tensor=None, beta1=0.9, beta2=0.99, eps=1e-6, weight_decay=0.01,
         bias_correction=True, grad_averaging=True, adam_w_mode=True, use_nvlamb=False,
         max_grad_norm=1.0, grad_scale=None, found_inf=None,

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from _numerics import rel_err
 
 from aiak.conformance.cases.optim import lamb_reference, lars_reference
 
@@ -56,8 +57,29 @@ def clones(params: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> 
 
 
 def rel_l2(out: Sequence[torch.Tensor], ref: Sequence[torch.Tensor]) -> float:
-    num = sum(
-        float((o.detach().double() - r.detach().double()).norm() ** 2) for o, r in zip(out, ref)
+    """The relative L2 error of two tensor lists taken as one vector each."""
+    return rel_err(
+        torch.cat([o.detach().reshape(-1) for o in out]),
+        torch.cat([r.detach().reshape(-1) for r in ref]),
     )
-    den = sum(float(r.detach().double().norm() ** 2) for r in ref)
-    return (num / den) ** 0.5 if den else num**0.5
+
+
+K = 10  # steps per parity run
+HALF = [torch.float16, torch.bfloat16]
+
+
+def groups(params: list[torch.Tensor], **second: float) -> list[dict]:
+    """Two param groups, the second with its own hyper-parameters."""
+    return [{"params": params[:3]}, {"params": params[3:], **second}]
+
+
+def exact(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        torch.testing.assert_close(x, y, rtol=0, atol=0, msg=lambda m, i=i: f"param {i}: {m}")
+
+
+def within_ulp(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    """At most one rounding step apart: same fp32 math, stores rounded once each."""
+    for x, y in zip(a, b):
+        eps = torch.finfo(x.dtype).eps
+        torch.testing.assert_close(x, y, rtol=eps, atol=eps * 1e-3)

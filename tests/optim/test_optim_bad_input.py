@@ -15,6 +15,7 @@ from _optim_helpers import SHAPES, clones, make_params
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import aiak.ops
 from aiak.optim import LAMB, LARS, FusedAdam, FusedAdamW, FusedLAMB, FusedSGD
 
 ALL = {
@@ -235,3 +236,86 @@ def test_lr_tensor_and_bad_lr_tensor() -> None:
         FusedAdamW([_p(3)], lr=torch.tensor([0.1, 0.2]))
     with pytest.raises(ValueError, match="lr"):
         FusedAdamW([_p(3)], lr=torch.tensor(-1.0))
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("make", "exc", "match"),
+    [
+        (lambda: FusedAdamW([_p(2)], lr=-1.0), ValueError, "lr must be >= 0"),
+        (lambda: FusedAdam([_p(2)], eps=-1e-8), ValueError, "eps must be >= 0"),
+        (lambda: FusedAdam([_p(2)], betas=(1.0, 0.9)), ValueError, r"betas\[0\]"),
+        (lambda: FusedAdam([_p(2)], betas=(0.9, -0.1)), ValueError, r"betas\[1\]"),
+        (lambda: FusedAdam([_p(2)], betas=0.9), TypeError, "betas must be a pair"),
+        (lambda: FusedSGD([_p(2)], lr=0.1, momentum=-0.5), ValueError, "momentum must be >= 0"),
+        (lambda: FusedSGD([_p(2)], lr=0.1, nesterov=True), ValueError, "nesterov"),
+        (lambda: LAMB([_p(2)], weight_decay=-1.0), ValueError, "weight_decay must be >= 0"),
+        (lambda: FusedLAMB([_p(2)], amsgrad=True), ValueError, "amsgrad"),
+        (lambda: LARS([_p(2)], lr=0.1, trust_coefficient=-1.0), ValueError, "trust_coefficient"),
+        (lambda: FusedAdamW([torch.zeros(2, dtype=torch.int64)]), TypeError, r"\['params'\]\[0\]"),
+        (lambda: FusedAdamW([_p(2), torch.zeros(2, device="meta")]), ValueError, "several devices"),
+        (
+            lambda: FusedAdamW([{"params": [_p(2)]}, {"params": [_p(3)], "lr": -2.0}]),
+            ValueError,
+            r"param_groups\[1\].*lr",
+        ),
+        (lambda: FusedAdamW([_p(2)], differentiable=True), ValueError, "differentiable"),
+    ],
+)
+def test_bad_arguments_name_the_argument(make, exc, match) -> None:
+    with pytest.raises(exc, match=match):
+        make()
+
+
+def test_sparse_grad_is_refused() -> None:
+    p = _p(4)
+    p.grad = torch.zeros(4).to_sparse()
+    with pytest.raises(TypeError, match=r"params\[0\] has a sparse grad"):
+        FusedAdamW([p]).step()
+
+
+def _adam_op_args(**change: object) -> list[object]:
+    """Valid aiak::fused_adam_ arguments for one 3-element param, with ``change`` applied."""
+    t = [torch.zeros(3)]
+    good = aiak.ops.fused_adam_.Args(
+        t,
+        [torch.zeros(3)],
+        [torch.zeros(3)],
+        [torch.zeros(3)],
+        [],
+        [torch.zeros(())],
+        [],
+        0.1,
+        None,
+        0.9,
+        0.99,
+        1e-8,
+        0.0,
+        True,
+        False,
+        False,
+        True,
+        None,
+        None,
+    )
+    return list(good._replace(**change))
+
+
+@pytest.mark.parametrize(
+    ("change", "exc", "match"),
+    [
+        ({"exp_avgs": []}, ValueError, "exp_avgs has 0 tensors"),
+        ({"exp_avgs": [torch.zeros(3).half()]}, TypeError, r"exp_avgs\[0\] is torch.float16"),
+        ({"grads": [torch.zeros(4)]}, ValueError, r"grads\[0\] \(shape \(4,\)"),
+        ({"beta2": 1.0}, ValueError, "beta2 must be in"),
+        ({"state_steps": [torch.zeros(2)]}, ValueError, r"state_steps\[0\] must have one element"),
+        ({"found_inf": torch.zeros(1, dtype=torch.int32)}, TypeError, "found_inf must be"),
+    ],
+)
+def test_op_rejects_bad_lists(change, exc, match) -> None:
+    with pytest.raises(exc, match=match):
+        torch.ops.aiak.fused_adam_(*_adam_op_args(**change))

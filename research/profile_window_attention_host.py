@@ -1,6 +1,6 @@
 """Host (CPU) µs per call of window attention's CUDA path, on the CPU with the launches stubbed.
 
-    python benchmarks/profile_window_attention_host.py [--calls 200] [--profile]
+    python research/profile_window_attention_host.py [--calls 200] [--profile]
 
 Not a speed claim: a diagnosis of the Python around the kernel launches. A converted
 swin_tiny training step is host-bound (the GPU waits on the host), so each call's host time is
@@ -15,10 +15,10 @@ what the step pays. Rows, each forward + backward, ours against the torch code i
 
 How the CUDA path runs here (:func:`stubbed`): CPU tensors take the CUDA branch (the eager
 predicate, and the ops' CUDA functions registered for the CPU key, for the dispatcher path),
-the kernels are reported usable, kernel functions are a stand-in object, and ``DriverKernel``
-packs the arguments without calling the driver. The torch rows run real CPU kernels on one
-49-token window (their compute is a few µs of the figure). Tensors are tiny: the host cost is
-per call, not per byte.
+the kernels are reported usable, kernel functions are a stand-in object, and every launch runs
+``_driver.Kernel`` in full but for the driver call itself. The torch rows run real CPU kernels
+on one 49-token window (their compute is a few µs of the figure). Tensors are tiny: the host
+cost is per call, not per byte.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from profile_optim_host import _packed_only, _Patch, _reasons_as_on_cuda, paired_us, top_functions
+from profile_optim_host import _no_launch, _Patch, _reasons_as_on_cuda, paired_us, top_functions
 
 import aiak.ops  # noqa: F401
 from aiak.ops import _capability, _cuda, _driver
@@ -76,8 +76,9 @@ def stubbed() -> Iterator[None]:
     mp.set(_capability.Capability, "not_supported_reasons", _reasons_as_on_cuda)
     mp.set(_cuda, "cupy_unavailable_reason", lambda: None)
     mp.set(_cuda, "device_capability", lambda device: (9, 0))
-    mp.set(_driver.DriverKernel, "__call__", _packed_only)
-    mp.set(_driver, "_launchers", {})  # the stand-in functions never reach the real cache
+    mp.set(_driver, "_ex", _no_launch)
+    for k in _driver.DECLARED:  # the stand-in handles never reach a real launch
+        mp.set(k, "_handles", {})
     mp.set(_cuda, "device_index", lambda: 0)
     mp.set(_cuda, "get_function", lambda *a, **k: _FN)
     mp.set(_cuda, "num_sms", lambda device: 132)

@@ -1,6 +1,6 @@
 """Host (CPU) cost per call of the multi-tensor ops, split by stage, and a cProfile of one op.
 
-    python benchmarks/profile_host.py
+    python research/profile_host.py
 
 Not a speed claim: a diagnosis of where Python time goes when the GPU waits for the host.
 """
@@ -52,9 +52,9 @@ def profile_set(name: str, shapes: list[tuple[int, ...]]) -> None:
         "  _mta.table (hit)": lambda: _mta.table([ts], ts[0].device),
         "  use_kernel": lambda: _capability.use_kernel(l2.CAP, ts[0].device, {torch.float32}),
         "  is_contiguous pass": lambda: all(map(torch.Tensor.is_contiguous, ts)),
-        "  get_function + current_stream": lambda: (
+        "  get_function + raw_stream": lambda: (
             _cuda.get_function("multi_tensor_l2norm.cu", "mt_l2norm"),
-            _cuda.current_stream(),
+            _cuda.raw_stream(0),
         ),
         "torch._foreach_norm + stack": lambda: torch.stack(torch._foreach_norm(ts)),
         "torch.ops.aiak.multi_tensor_scale_": lambda: torch.ops.aiak.multi_tensor_scale_(

@@ -1,10 +1,10 @@
 """Host time of a comm hook per bucket, collectives replaced by completed futures.
 
-    python benchmarks/profile_comm_host.py [--device cpu|cuda] [--calls 2000]
+    python research/profile_comm_host.py [--device cpu|cuda] [--calls 2000]
 
 DDP calls a hook on the autograd thread; when the backward is short on the GPU (12 x
 Linear(4096) on 2 x H200: 2.3 ms of host time per backward without a hook) every microsecond
-of the hook's Python lands on the step (benchmarks/profile_comm_nccl.py measures that on NCCL).
+of the hook's Python lands on the step (research/profile_comm_nccl.py measures that on NCCL).
 This isolates the hook's own Python: ``dist.all_reduce`` returns an already completed future,
 as NCCL's does (it completes at enqueue), so callbacks run inline as they do there. One
 process, no process group, no network; on CUDA the kernel launches and CUDA-aware futures are

@@ -1,6 +1,6 @@
 """Where a comm hook's time goes in a DDP step on NCCL (one host, 2+ GPUs).
 
-    torchrun --nproc_per_node 2 benchmarks/profile_comm_nccl.py [--layers 12] [--out DIR]
+    torchrun --nproc_per_node 2 research/profile_comm_nccl.py [--layers 12] [--out DIR]
 
 For each hook: median step time; host time spent inside the hook call per bucket (DDP calls
 hooks on the autograd thread, so on a model whose backward is short on the GPU that time is on
@@ -31,7 +31,7 @@ from aiak import comm
 from aiak.comm import _collectives, _offload
 from aiak.comm import cast as comm_cast
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench_comm_nccl import _model, _sync, setup  # the same model, set-up and sync
 
 try:

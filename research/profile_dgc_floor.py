@@ -1,8 +1,8 @@
 """Lower bounds for the stages of aiak::dgc_select, next to its own kernels, in one process.
 
-    python benchmarks/profile_dgc_floor.py [--n 25000000] [--ratio 0.001]
+    python research/profile_dgc_floor.py [--n 25000000] [--ratio 0.001]
 
-Each kernel of benchmarks/kernels/dgc_floor.cu does one stage's unavoidable work and nothing
+Each kernel of research/kernels/dgc_floor.cu does one stage's unavoidable work and nothing
 else, on the same gradient and geometry (25M fp32, 1% strided samples, 4 thresholds): one read,
 the read with the four counts, the counts written per warp and tile, the same with the tile's
 candidates in index order, the sample gather with and without its histogram (also after a read
@@ -20,9 +20,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from _harness import copy_bandwidth, print_table, time_graph
 from bench_dgc_select import kernel_times
 

@@ -1,7 +1,7 @@
 """Host (CPU) microseconds per training step that each O2 stage costs: o1 vs o2, per backend.
 
-    python benchmarks/profile_amp_host.py                  # CPU, tiny ResNet-50-shaped params
-    python benchmarks/profile_amp_host.py --device cuda    # the same on a GPU (real aiak kernel)
+    python research/profile_amp_host.py                  # CPU, tiny ResNet-50-shaped params
+    python research/profile_amp_host.py --device cuda    # the same on a GPU (real aiak kernel)
 
 Why: on the H100 machine the GradScaler's ``found_inf.item()`` makes the host finish every
 post-backward Python statement while the GPU idles, and its host pays ~1-2 µs per Python-level

@@ -1,6 +1,6 @@
 """Host (CPU) µs per call of the CUDA path's Python, measured on the CPU with the launch stubbed.
 
-    python benchmarks/profile_optim_host.py [--steps 50] [--profile] [--cuda]
+    python research/profile_optim_host.py [--steps 50] [--profile] [--cuda]
 
 Not a speed claim: a diagnosis of the Python around the kernel launches, the part of a step the
 GPU waits on when the host is slow. The params are tiny (one element per tensor, ResNet-50's
@@ -8,9 +8,10 @@ GPU waits on when the host is slow. The params are tiny (one element per tensor,
 
 How the CUDA path runs here without a GPU (:func:`stubbed_launches`): CPU tensors take the
 ops' CUDA kernels (``Op.eager_kernel``), the kernel is reported usable, device tables are
-built on the CPU, ``get_function`` does nothing and ``DriverKernel`` packs the arguments without
-calling the driver. Everything else is the code that runs on CUDA: the optimizer's plan checks,
-the bound step's address checks, the argument packing, version counter bumps.
+built on the CPU, ``get_function`` returns a stand-in and every launch runs ``_driver.Kernel``
+in full but for the driver call itself. Everything else is the code that runs on CUDA: the
+optimizer's plan checks, the bound step's address checks, the argument packing, version counter
+bumps.
 
 Rows:
 
@@ -83,8 +84,10 @@ def stubbed_launches() -> Iterator[None]:
     mp.set(_capability.Capability, "not_supported_reasons", _reasons_as_on_cuda)
     mp.set(_cuda, "cupy_unavailable_reason", lambda: None)
     mp.set(_cuda, "device_capability", lambda device: (9, 0))
-    mp.set(_cuda, "get_function", lambda *a, **k: None)
-    mp.set(_driver.DriverKernel, "__call__", _packed_only)
+    mp.set(_cuda, "get_function", lambda *a, **k: _STAND_IN)
+    mp.set(_driver, "_ex", _no_launch)
+    for k in _driver.DECLARED:
+        mp.set(k, "_handles", {})
     mp.set(_cuda, "device_index", lambda: 0)
     mp.set(_cuda, "num_sms", lambda device: 132)
     mp.set(torch.cuda, "current_device", lambda: 0)
@@ -100,14 +103,21 @@ def stubbed_launches() -> Iterator[None]:
         _mta.clear_cache()
 
 
-_scratch = bytearray(4096)
+class _Function:
+    """A CuPy function stand-in: a driver handle and the attributes launchers set."""
+
+    kernel = type("Handle", (), {"ptr": 1})()
+    num_regs = 96
+    max_dynamic_shared_size_bytes = 48 * 1024
+    preferred_shared_memory_carveout = -1
 
 
-def _packed_only(
-    self: _driver.DriverKernel, grid: Any, block: Any, *values: Any, shared_mem: int = 0
-) -> None:
-    """A driver launch with its arguments packed as on CUDA, and no call into the driver."""
-    self._pack(_scratch, 0, *values)
+_STAND_IN = _Function()
+
+
+def _no_launch(config: Any, handle: int, params: Any, extra: Any) -> int:
+    """cuLaunchKernelEx that launches nothing: the launcher's packing runs as on CUDA."""
+    return 0
 
 
 _real_reasons = _capability.Capability.not_supported_reasons

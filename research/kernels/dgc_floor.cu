@@ -1,4 +1,4 @@
-// Lower bounds for the stages of aiak::dgc_select (benchmarks/profile_dgc_floor.py): each kernel
+// Lower bounds for the stages of aiak::dgc_select (research/profile_dgc_floor.py): each kernel
 // does one stage's unavoidable work and nothing else, on the same data and geometry.
 //   floor_read        one read of x (float4, 8 loads a thread in flight, 8192-element tiles)
 //   floor_count       the read + 4 threshold counts per element, reduced once per block
