@@ -107,9 +107,7 @@ HOOKS = {
     ),
     "nan_hier_powersgd_full": (
         lambda: comm.nan_check(
-            comm.hierarchical(
-                outer=comm.powersgd(rank=360, start_iter=2, min_compression_rate=0)
-            )
+            comm.hierarchical(outer=comm.powersgd(rank=360, start_iter=2, min_compression_rate=0))
         ),
         sgd,
     ),
