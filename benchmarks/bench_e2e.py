@@ -233,10 +233,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for name in names:
         rows += bench_recipe(name, args, device)
     cols = ["recipe", "mode", "ms_step", "vs_o1", "vs_o1_compile", "step_peak_mib"]
-    print_table(
-        [r for r in rows if r["status"] == "ok"],
-        [*cols, "state_mib", "loss", "loss_vs_o1", "warmup_s"],
-    )
+    ok = [r for r in rows if r["status"] == "ok"]
+    if ok:
+        print_table(ok, [*cols, "state_mib", "loss", "loss_vs_o1", "warmup_s"])
     path = _write(rows, args.out)
     png = _plot(rows, args.out)
     print(f"rows -> {path}" + (f", plot -> {png}" if png else ""))

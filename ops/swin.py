@@ -96,6 +96,13 @@ def _fused_block_attn(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     shift, _ = _pair(self.shift_size)
     if h % ws or w % ws:  # timm pads such maps: its own path handles them
         return self._aiak_timm_attn(x)
+    if torch.compiler.is_compiling():
+        # Under torch.compile, timm's roll + view/permute partition (still with the fused
+        # attention inside) fuses into inductor's kernels around it (LayerNorm before, the
+        # residual add and the next LayerNorm after); the gather ops are opaque to inductor
+        # and cost a pass over the activations each way, forward and backward
+        # (research/compile_window_attention.md).
+        return self._aiak_timm_attn(x)
     windows = roll_window_partition(x, ws, shift)
     windows = self.attn(windows, mask=self.attn_mask)
     return window_merge_roll(windows, h, w, shift)
