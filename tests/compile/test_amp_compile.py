@@ -133,3 +133,32 @@ def test_forward_wrapper_keeps_the_signature_and_the_users_hooks_see_fp32() -> N
     copied = copy.deepcopy(model)  # the wrapper follows the copy, not the original
     assert copied.forward.__wrapped__.__self__ is copied
     torch.testing.assert_close(copied(x), model(x))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["resnet", "swin_convert"])
+def test_fp16_o2_under_inductor_on_cuda(name: str, cuda_device) -> None:
+    """On the GPU: fp16 O2 with aiak's GradScaler, the model compiled by inductor with
+    ``fullgraph=True``, against the same O2 run eager."""
+    model, x, y = build(name)
+    model, x, y = model.to(cuda_device), x.to(cuda_device), y.to(cuda_device)
+    twin = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt_c = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
+    amp.decorate(model, opt)
+    amp.decorate(twin, opt_c)
+    compiled = torch.compile(twin, fullgraph=True)
+    scalers = amp.GradScaler("cuda"), amp.GradScaler("cuda")
+    for _ in range(3):
+        losses = []
+        for m, o, s in ((model, opt, scalers[0]), (compiled, opt_c, scalers[1])):
+            o.zero_grad()
+            with torch.autocast("cuda"):
+                loss = F.cross_entropy(m(x), y)
+            s.scale(loss).backward()
+            s.step(o)
+            s.update()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-2, atol=1e-3)
+    for m, m_c in zip(amp.parameters(opt), amp.parameters(opt_c)):
+        torch.testing.assert_close(m_c, m, rtol=1e-2, atol=1e-3)
