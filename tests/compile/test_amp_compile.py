@@ -42,15 +42,19 @@ def test_decorated_model_is_one_graph(name: str, autocast: bool) -> None:
 
 def test_fullgraph_compile_keeps_autocast_off_inside() -> None:
     """The op CPU autocast would run in fp32 (``prod``) stays bf16 inside the compiled model,
-    and the user's autocast is on again after it."""
+    and the user's autocast is on again after it; leaving or entering autocast between calls
+    recompiles (dynamo guards on autocast's state), it never runs the other region's graph."""
     model, _, x, _ = _decorated("resnet")
     seen = []
     model.head.register_forward_hook(lambda m, a, out: seen.append(out.prod(-1).dtype))
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    compiled(x)  # compiled outside autocast first: the autocast state is guarded on
     with torch.autocast("cpu", dtype=BF16):
         out = compiled(x)
         assert torch.is_autocast_enabled("cpu")
-    assert seen == [BF16]
+    compiled(x)
+    assert not torch.is_autocast_enabled("cpu")
+    assert seen == [BF16, BF16, BF16]
     assert out.dtype == torch.float32
 
 
