@@ -16,6 +16,10 @@ to ``o1``'s (the modes train the same steps on the same data; aiak's optimizer m
 the baseline's: LAMB vs AdamW in bert_lamb). Rows go to ``<out>/e2e.csv`` (default
 benchmarks/results/), a PNG of the speed-ups next to it when matplotlib is installed.
 
+Rows are appended after each recipe, so a run cut short keeps the recipes it finished; under a
+time limit, run the recipes in two calls (``--recipes swin_t,resnet50``, then
+``--recipes bert_lamb,yolox_simota``): each compiles two models per recipe.
+
 A recipe whose model needs timm or torchvision is skipped, with the reason printed and kept
 in the CSV, when the package is missing (``--quick`` needs neither).
 """
@@ -115,6 +119,7 @@ def bench_recipe(name: str, args: argparse.Namespace, device: torch.device) -> l
         t0 = time.perf_counter()
         _steps(run, args.warmup)
         compile_s[mode] = time.perf_counter() - t0
+        print(f"{name} {mode}: warm-up {compile_s[mode]:.1f} s", flush=True)
     times: dict[str, list[float]] = {m: [] for m in MODES}
     peaks: dict[str, int] = dict.fromkeys(MODES, 0)
     losses: dict[str, float] = {}
@@ -230,13 +235,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
             p.error(f"--{flag} must be >= 1")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     rows = []
+    path = args.out / "e2e.csv"
     for name in names:
-        rows += bench_recipe(name, args, device)
+        recipe_rows = bench_recipe(name, args, device)
+        path = _write(recipe_rows, args.out)  # per recipe: a run cut short keeps what it did
+        rows += recipe_rows
     cols = ["recipe", "mode", "ms_step", "vs_o1", "vs_o1_compile", "step_peak_mib"]
     ok = [r for r in rows if r["status"] == "ok"]
     if ok:
         print_table(ok, [*cols, "state_mib", "loss", "loss_vs_o1", "warmup_s"])
-    path = _write(rows, args.out)
     png = _plot(rows, args.out)
     print(f"rows -> {path}" + (f", plot -> {png}" if png else ""))
     return rows
