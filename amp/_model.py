@@ -1,18 +1,16 @@
 """The model side of O2: cast a model to half (BatchNorm kept fp32 if asked), and the forward
-hooks that cast its inputs to half, its outputs to fp32, and run it with autocast off."""
+wrapper that casts its inputs to half, its outputs to fp32, and run it with autocast off."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["HALF_DTYPES", "cast_model", "install_forward_casts"]
+__all__ = ["HALF_DTYPES", "O2Forward", "cast_model", "install_forward_casts"]
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -87,62 +85,55 @@ def _autocast_probes() -> tuple[tuple[str, Callable[[], bool]], ...]:
 _AUTOCAST_PROBES = _autocast_probes()
 
 
-def _autocast_off() -> contextlib.ExitStack | None:
-    """Turn autocast off for every device type it is on for; None (nothing entered) when it is
-    on for none, the common case outside an autocast region (a few probes, no context)."""
-    on = [device_type for device_type, enabled in _AUTOCAST_PROBES if enabled()]
-    if not on:
-        return None
-    with contextlib.ExitStack() as entered:
-        for device_type in on:
-            entered.enter_context(torch.autocast(device_type, enabled=False))
-        return entered.pop_all()  # all entered: the caller exits them
+def _autocast_on() -> tuple[str, ...]:
+    """The device types autocast is on for (usually none: a few probes). Under
+    ``torch.compile`` each probe is a constant that dynamo guards on, so a change of the user's
+    autocast recompiles rather than runs the wrong graph."""
+    return tuple(device_type for device_type, enabled in _AUTOCAST_PROBES if enabled())
 
 
-class _AutocastOffStack(threading.local):
-    """One model's entered autocast-off contexts, innermost last. Per thread, as autocast's
-    state is: DataParallel replicas share the hooks and run in threads of their own."""
+def _run_without_autocast(
+    device_types: tuple[str, ...], fn: Callable[..., Any], args: tuple, kwargs: dict
+) -> Any:
+    """``fn(*args, **kwargs)`` with autocast off for each of ``device_types``, restored when it
+    returns or raises. Plain nested ``with`` blocks in one frame: dynamo traces them into the
+    graph, where an ExitStack (or a context entered in one hook and left in another) breaks it.
+    """
+    if not device_types:
+        return fn(*args, **kwargs)
+    with torch.autocast(device_types[0], enabled=False):
+        return _run_without_autocast(device_types[1:], fn, args, kwargs)
 
-    def __init__(self) -> None:
-        self.stack: list[contextlib.ExitStack | None] = []
+
+class O2Forward:
+    """The decorated model's ``forward``: floating inputs -> ``dtype``, the wrapped forward
+    (with autocast off for every device type it is on for, if ``autocast_off``), half outputs
+    -> fp32.
+
+    One wrapper around ``forward`` rather than forward hooks: it keeps the autocast-off region a
+    ``with`` block, which ``torch.compile(model, fullgraph=True)`` traces with no graph break,
+    and the module keeps no forward hook of its own, so an eager call takes
+    ``nn.Module.__call__``'s fast path. Per-thread by construction (autocast's state is per
+    thread; DataParallel replicas run in threads), and a nested call of the model restores only
+    what it turned off. ``__wrapped__`` is the original forward: ``inspect.signature`` of the
+    decorated model's forward is the original one.
+    """
+
+    def __init__(self, forward: Callable[..., Any], dtype: torch.dtype, autocast_off: bool):
+        functools.update_wrapper(self, forward)
+        self.dtype = dtype
+        self.autocast_off = autocast_off
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        dtype = self.dtype
+        args, kwargs = _cast_floating(args, dtype), _cast_floating(kwargs, dtype)
+        if self.autocast_off:
+            out = _run_without_autocast(_autocast_on(), self.__wrapped__, args, kwargs)
+        else:
+            out = self.__wrapped__(*args, **kwargs)
+        return _cast_floating(out, torch.float32, only=HALF_DTYPES)
 
 
 def install_forward_casts(model: nn.Module, dtype: torch.dtype, autocast_off: bool) -> None:
-    """Forward hooks: floating inputs -> ``dtype``, half outputs -> fp32 and, if
-    ``autocast_off``, autocast disabled from after the input cast to after the output cast."""
-
-    def cast_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return _cast_floating(args, dtype), _cast_floating(kwargs, dtype)
-
-    def cast_outputs(module: nn.Module, args: tuple, output: Any) -> Any:
-        return _cast_floating(output, torch.float32, only=HALF_DTYPES)
-
-    if not autocast_off:
-        model.register_forward_pre_hook(cast_inputs, with_kwargs=True)
-        model.register_forward_hook(cast_outputs)
-        return
-
-    local = _AutocastOffStack()
-
-    def cast_inputs_then_autocast_off(
-        module: nn.Module, args: tuple, kwargs: dict
-    ) -> tuple[tuple, dict]:
-        cast = cast_inputs(module, args, kwargs)
-        # One entry per call, None included: a nested call of this model (autocast is already
-        # off there) pops its own entry, not its caller's.
-        local.stack.append(_autocast_off())
-        return cast
-
-    def restore_autocast(module: nn.Module, args: tuple, output: Any) -> None:
-        # always_call: torch runs this when forward (or a later hook) raises, too. When a
-        # pre-hook that runs before ours raised, ours pushed nothing: the stack is empty then
-        # (in a nested call this would pop the caller's entry: autocast would come back early).
-        stack = local.stack
-        if stack:
-            entered = stack.pop()
-            if entered is not None:
-                entered.close()
-
-    model.register_forward_pre_hook(cast_inputs_then_autocast_off, with_kwargs=True)
-    model.register_forward_hook(cast_outputs)  # runs first: outputs are cast, then autocast back
-    model.register_forward_hook(restore_autocast, always_call=True)
+    """``model.forward`` becomes an :class:`O2Forward` around the forward it had."""
+    model.forward = O2Forward(model.forward, dtype, autocast_off)

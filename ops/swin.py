@@ -8,8 +8,9 @@ What changes, module by module (the model's parameters, buffers and state_dict k
   flows through torch's gather);
 - every ``SwinTransformerBlock`` whose windows tile the feature map (no padding, one square
   window, equal shifts, a fixed mask buffer) gets an ``_attn`` that does the roll + partition
-  and its inverse with ``aiak::roll_window_partition`` / ``aiak::window_merge_roll``; any other
-  block keeps timm's own ``_attn``.
+  and its inverse with ``aiak::roll_window_partition`` / ``aiak::window_merge_roll`` in eager
+  (under ``torch.compile``, timm's roll and partition, which inductor fuses with the ops
+  around them); any other block keeps timm's own ``_attn``.
 
 Modules are recognised by their attributes (timm is not imported here). Attention dropout > 0
 cannot run fused: such modules stay as they are, with a warning.

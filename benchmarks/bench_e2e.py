@@ -1,0 +1,253 @@
+"""End to end: each recipe of examples/recipes/ in four modes, in one process, interleaved.
+
+    python benchmarks/bench_e2e.py [--recipes swin_t,resnet50,bert_lamb,yolox_simota]
+                                   [--warmup 10] [--rounds 3] [--steps 10]
+    python benchmarks/bench_e2e.py --quick      # CPU smoke run: tiny torch.nn models
+
+Modes: ``o1`` (torch.autocast + GradScaler, torch's optimizer: what a user has), ``o1_compile``
+(the same model under ``torch.compile``), ``aiak`` (the recipe's aiak set-up: O2, fused
+optimizer, the recipe's op), ``aiak_compile``. All four are built from the same initial
+weights and data; each warms up ``--warmup`` steps (compilation included), then ``--rounds``
+rounds run ``--steps`` steps of every mode in turn (the order rotates per round), each timed
+from the host around its steps (synchronised). Per mode: the median step time over the rounds,
+the speed-up against ``o1`` and against ``o1_compile``, the peak memory of the step above what
+was allocated before it, the model + optimizer state, and the loss after all its steps next
+to ``o1``'s (the modes train the same steps on the same data; aiak's optimizer may differ from
+the baseline's: LAMB vs AdamW in bert_lamb). Rows go to ``<out>/e2e.csv`` (default
+benchmarks/results/), a PNG of the speed-ups next to it when matplotlib is installed.
+
+Rows are appended after each recipe, so a run cut short keeps the recipes it finished; under a
+time limit, run the recipes in two calls (``--recipes swin_t,resnet50``, then
+``--recipes bert_lamb,yolox_simota``): each compiles two models per recipe.
+
+A recipe whose model needs timm or torchvision is skipped, with the reason printed and kept
+in the CSV, when the package is missing (``--quick`` needs neither).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gc
+import importlib
+import importlib.util
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from _harness import RESULTS, environment, print_table
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples" / "recipes"))
+
+RECIPES = {  # name -> (package the full-size model needs, full batch, quick batch)
+    "swin_t": ("timm", 64, 4),
+    "resnet50": ("torchvision", 128, 8),
+    "bert_lamb": (None, 256, 8),
+    "yolox_simota": (None, 64, 4),
+}
+MODES = ("o1", "o1_compile", "aiak", "aiak_compile")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _state_bytes(run: Any) -> int:
+    """Bytes of the model's params and buffers, their grads, the optimizer's params (fp32
+    masters under O2) and its state, each storage counted once."""
+    seen: dict[int, int] = {}
+
+    def add(t: Any) -> None:
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+
+    for t in (*run.model.parameters(), *run.model.buffers()):
+        add(t)
+        add(getattr(t, "grad", None))
+    for g in run.optimizer.param_groups:
+        for p in g["params"]:
+            add(p)
+            add(p.grad)
+    for st in run.optimizer.state.values():
+        for v in st.values():
+            add(v)
+    return sum(seen.values())
+
+
+def _steps(run: Any, n: int) -> tuple[float, float, int]:
+    """(ms per step, last loss, peak bytes above the allocation before) of ``n`` steps."""
+    dev = run.device
+    _sync(dev)
+    base = 0
+    if dev.type == "cuda":
+        base = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+    t0 = time.perf_counter()
+    loss = None
+    for _ in range(n):
+        loss = run.step()
+    _sync(dev)
+    ms = (time.perf_counter() - t0) * 1e3 / n
+    peak = torch.cuda.max_memory_allocated(dev) - base if dev.type == "cuda" else 0
+    return ms, float(loss), peak
+
+
+def bench_recipe(name: str, args: argparse.Namespace, device: torch.device) -> list[dict]:
+    need, batch, quick_batch = RECIPES[name]
+    batch = args.batch or (quick_batch if args.quick else batch)
+    if not args.quick and need and importlib.util.find_spec(need) is None:
+        reason = f"skipped: {need} is not installed (run with --quick for the torch.nn models)"
+        print(f"{name}: {reason}")
+        return [{"recipe": name, "mode": "", "status": reason}]
+    recipe = importlib.import_module(name)
+    runs = {}
+    for mode in MODES:
+        run = recipe.build(
+            aiak=mode.startswith("aiak"), tiny=args.quick, device=device, batch=batch
+        )
+        if mode.endswith("compile"):
+            run.compile(backend=args.backend)
+        runs[mode] = run
+    compile_s = {}
+    for mode, run in runs.items():  # warm-up: compilation, allocator, autotuning
+        t0 = time.perf_counter()
+        _steps(run, args.warmup)
+        compile_s[mode] = time.perf_counter() - t0
+        print(f"{name} {mode}: warm-up {compile_s[mode]:.1f} s", flush=True)
+    times: dict[str, list[float]] = {m: [] for m in MODES}
+    peaks: dict[str, int] = dict.fromkeys(MODES, 0)
+    losses: dict[str, float] = {}
+    for r in range(args.rounds):
+        order = MODES[r % len(MODES) :] + MODES[: r % len(MODES)]
+        for mode in order:
+            ms, loss, peak = _steps(runs[mode], args.steps)
+            times[mode].append(ms)
+            peaks[mode] = max(peaks[mode], peak)
+            losses[mode] = loss
+    med = {m: statistics.median(v) for m, v in times.items()}
+    rows = []
+    for mode in MODES:
+        rows.append(
+            {
+                "recipe": name,
+                "mode": mode,
+                "status": "ok",
+                "batch": batch,
+                "backend": args.backend,
+                "ms_step": med[mode],
+                "ms_rounds": " ".join(f"{t:.2f}" for t in times[mode]),
+                "vs_o1": med["o1"] / med[mode],
+                "vs_o1_compile": med["o1_compile"] / med[mode],
+                "step_peak_mib": peaks[mode] / 2**20,
+                "state_mib": _state_bytes(runs[mode]) / 2**20,
+                "loss": losses[mode],
+                "loss_vs_o1": losses[mode] / losses["o1"] if losses["o1"] else float("nan"),
+                "warmup_s": compile_s[mode],
+                "steps": args.warmup + args.rounds * args.steps,
+            }
+        )
+    del runs
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _write(rows: list[dict], out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "e2e.csv"
+    env = environment()
+    rows = [{**env, **r} for r in rows]
+    fields: list[str] = []
+    for r in rows:
+        fields += [k for k in r if k not in fields]
+    old: list[dict] = []
+    if path.exists():
+        with path.open(newline="") as f:
+            reader = csv.DictReader(f)
+            old = list(reader)
+            fields = list(reader.fieldnames or []) + [
+                c for c in fields if c not in (reader.fieldnames or [])
+            ]
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(old)
+        writer.writerows(rows)
+    return path
+
+
+def _plot(rows: list[dict], out: Path) -> Path | None:
+    if importlib.util.find_spec("matplotlib") is None:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r["status"] == "ok"]
+    recipes = list(dict.fromkeys(r["recipe"] for r in ok))
+    if not recipes:
+        return None
+    fig, ax = plt.subplots(figsize=(2 + 2 * len(recipes), 3.5))
+    width = 0.8 / len(MODES)
+    for i, mode in enumerate(MODES):
+        ys = [
+            next(r["vs_o1"] for r in ok if r["recipe"] == n and r["mode"] == mode) for n in recipes
+        ]
+        ax.bar([k + i * width for k in range(len(recipes))], ys, width, label=mode)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks([k + 0.4 - width / 2 for k in range(len(recipes))], recipes)
+    ax.set_ylabel("step speed vs O1 eager")
+    ax.set_title(f"bench_e2e on {environment()['gpu']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "e2e.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated")
+    p.add_argument("--warmup", type=int, default=10, help="steps before timing (compile)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
+    p.add_argument("--steps", type=int, default=10, help="steps per mode per round")
+    p.add_argument("--batch", type=int, default=None, help="override every recipe's batch")
+    p.add_argument("--quick", action="store_true", help="tiny torch.nn models (CPU smoke run)")
+    p.add_argument("--backend", default="inductor", help="torch.compile backend")
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--out", type=Path, default=RESULTS, help="folder of e2e.csv / e2e.png")
+    args = p.parse_args(argv)
+    names = [n for n in args.recipes.split(",") if n]
+    unknown = [n for n in names if n not in RECIPES]
+    if unknown:
+        p.error(f"--recipes: unknown {unknown}; choose from {list(RECIPES)}")
+    for flag in ("warmup", "rounds", "steps"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag} must be >= 1")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    rows = []
+    path = args.out / "e2e.csv"
+    for name in names:
+        recipe_rows = bench_recipe(name, args, device)
+        path = _write(recipe_rows, args.out)  # per recipe: a run cut short keeps what it did
+        rows += recipe_rows
+    cols = ["recipe", "mode", "ms_step", "vs_o1", "vs_o1_compile", "step_peak_mib"]
+    ok = [r for r in rows if r["status"] == "ok"]
+    if ok:
+        print_table(ok, [*cols, "state_mib", "loss", "loss_vs_o1", "warmup_s"])
+    png = _plot(rows, args.out)
+    print(f"rows -> {path}" + (f", plot -> {png}" if png else ""))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""What the four recipes share: their flags, the two set-ups they compare, and the step.
+
+A recipe defines ``build(aiak, tiny, device, batch) -> Run``: with ``aiak=False`` what a user
+picks without aiak (O1: torch.autocast + GradScaler, torch's optimizer), with ``aiak=True``
+the aiak set-up (O2 by ``aiak.amp.decorate``, a fused optimizer, and the recipe's op).
+``--compile`` wraps the model in ``torch.compile``. Under ``aiakrun -np N`` (``WORLD_SIZE``
+> 1) the model is wrapped in DDP first (the communication hooks come from aiakrun's flags).
+``benchmarks/bench_e2e.py`` builds the same runs and times them side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["Run", "half_dtype", "main", "parse"]
+
+
+def half_dtype(device: torch.device) -> torch.dtype:
+    """fp16 on CUDA (loss-scaled), bf16 on the CPU (CPU autocast's dtype; needs no scaler)."""
+    return torch.float16 if device.type == "cuda" else torch.bfloat16
+
+
+@dataclass
+class Run:
+    """One training set-up: ``step()`` is one iteration of the stock AMP loop."""
+
+    model: nn.Module  # the module the optimizer trains (decorated when aiak)
+    optimizer: torch.optim.Optimizer
+    next_batch: Callable[[], Any]  # the next batch, on the device
+    loss_fn: Callable[[Callable[..., Any], Any], torch.Tensor]  # (forward, batch) -> loss
+    device: torch.device
+    scaler: torch.amp.GradScaler | None = None
+    forward: Callable[..., Any] | None = None  # the model, compiled or DDP-wrapped
+
+    def __post_init__(self) -> None:
+        if self.forward is None:
+            self.forward = self.model
+
+    def compile(self, **kwargs: Any) -> Run:
+        self.forward = torch.compile(self.forward, **kwargs)
+        return self
+
+    def step(self) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=True)
+        batch = self.next_batch()
+        with torch.autocast(self.device.type, dtype=half_dtype(self.device)):
+            loss = self.loss_fn(self.forward, batch)
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            loss.backward()
+            self.optimizer.step()
+        return loss.detach()
+
+
+def scaler_for(device: torch.device, aiak: bool) -> torch.amp.GradScaler | None:
+    """A GradScaler for fp16 (CUDA); aiak's follows the O2 policy of decorated optimizers."""
+    if device.type != "cuda":
+        return None
+    if aiak:
+        import aiak.amp
+
+        return aiak.amp.GradScaler("cuda")
+    return torch.amp.GradScaler("cuda")
+
+
+def parse(description: str, batch: int, tiny_batch: int) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument(
+        "--aiak",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="aiak's set-up (default) or, with --no-aiak, torch's O1",
+    )
+    p.add_argument("--tiny", action="store_true", help="a small torch.nn model (CPU smoke run)")
+    p.add_argument(
+        "--batch", type=int, default=None, help=f"batch (default {batch}, tiny {tiny_batch})"
+    )
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    args = p.parse_args()
+    if args.steps < 1:
+        p.error(f"--steps must be >= 1, got {args.steps}")
+    if args.batch is None:
+        args.batch = tiny_batch if args.tiny else batch
+    if args.batch < 1:
+        p.error(f"--batch must be >= 1, got {args.batch}")
+    args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return args
+
+
+def _maybe_ddp(run: Run) -> Callable[[], None]:
+    """DDP under a launcher (WORLD_SIZE > 1); returns the clean-up to call at the end."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return lambda: None
+    import torch.distributed as dist
+
+    if run.device.type == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+    dist.init_process_group()
+    ids = [run.device.index] if run.device.type == "cuda" else None
+    run.forward = nn.parallel.DistributedDataParallel(run.model, device_ids=ids)
+
+    def done() -> None:
+        run.forward = None
+        dist.destroy_process_group()
+
+    return done
+
+
+def main(build: Callable[..., Run], description: str, batch: int, tiny_batch: int) -> None:
+    args = parse(description, batch, tiny_batch)
+    device = args.device
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    run = build(aiak=args.aiak, tiny=args.tiny, device=device, batch=args.batch)
+    done = _maybe_ddp(run)
+    try:
+        if args.compile:
+            run.compile()
+        losses, t0 = [], None
+        for i in range(args.steps):
+            if i == min(2, args.steps - 1):  # compile and warm-up stay out of the time
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+            losses.append(run.step())
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        timed = args.steps - min(2, args.steps - 1)
+        ms = (time.perf_counter() - t0) * 1e3 / timed
+        first, last = float(losses[0]), float(losses[-1])
+        mode = ("aiak" if args.aiak else "O1") + (" + compile" if args.compile else "")
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(
+                f"{mode}: loss {first:.4f} -> {last:.4f} over {args.steps} steps, {ms:.1f} ms/step"
+            )
+    finally:
+        done()
