@@ -66,7 +66,6 @@ def test_data_bound_cross_epoch_loader_first_and_verified():
     assert v["feature"] == "CrossEpochLoader" and "applied for this run by the probe" in v["how"]
     # the epoch-start stall (workers restarted, first batch awaited) goes: measured x3-x4
     assert v["after_s"] < 0.7 * v["before_s"], v
-    assert v["after"]["data_epoch_start"] < 0.5 * doc["breakdown"]["data_epoch_start"]
 
 
 def test_optimizer_bound_fused_optimizer_first_and_verified():
