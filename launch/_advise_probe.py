@@ -519,31 +519,8 @@ def _install_ddp(probe: _Probe, torch: Any) -> None:
     probe.undo.append(restore)
 
 
-class _AfterTorch:
-    """One-shot finder: let the other finders (aiak's activation among them) load torch,
-    then install the probe."""
-
-    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name != "torch":
-            return None
-        sys.meta_path.remove(self)
-        spec = None
-        for finder in list(sys.meta_path):
-            find = getattr(finder, "find_spec", None)
-            if find is not None:
-                spec = find(name, path, target)
-                if spec is not None:
-                    break
-        if spec is None or spec.loader is None:
-            return spec
-        run = spec.loader.exec_module
-
-        def exec_module(module: Any) -> None:
-            run(module)
-            install(os.environ[_ENV_DIR])
-
-        spec.loader.exec_module = exec_module
-        return spec
+def _install_from_environment() -> None:
+    install(os.environ[_ENV_DIR])
 
 
 def boot() -> None:
@@ -557,4 +534,6 @@ def boot() -> None:
     if "torch" in sys.modules:
         install(os.environ[_ENV_DIR])
     else:
-        sys.meta_path.insert(0, _AfterTorch())
+        from aiak.launch._boot import AfterTorch
+
+        sys.meta_path.insert(0, AfterTorch(_install_from_environment))

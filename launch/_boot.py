@@ -19,7 +19,7 @@ import sys
 # importlib load when torch is imported, in activate().
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Callable, Mapping
     from typing import Any
 
 __all__ = ["FEATURES", "activate", "boot", "deactivate", "enabled"]
@@ -305,13 +305,17 @@ def _record_errors(env: Mapping[str, str]) -> None:
     sys.excepthook = excepthook
 
 
-class _AfterTorch:
-    """One-shot finder: lets the real finders load ``torch``, then activates."""
+class AfterTorch:
+    """One-shot finder: lets the real finders load ``torch``, then calls ``then()`` (aiak's
+    activation; aiak-advise's probe)."""
+
+    def __init__(self, then: Callable[[], None]) -> None:
+        self.then = then
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
         if name != "torch":
             return None
-        _remove_finder()
+        _remove_finder(self.then)
         spec = None
         for finder in sys.meta_path:
             find = getattr(finder, "find_spec", None)
@@ -321,18 +325,22 @@ class _AfterTorch:
                     break
         if spec is None or spec.loader is None:
             return spec
-        run = spec.loader.exec_module
+        run, then = spec.loader.exec_module, self.then
 
         def exec_module(module: Any) -> None:
             run(module)
-            activate()
+            then()
 
         spec.loader.exec_module = exec_module  # this spec's loader only
         return spec
 
 
-def _remove_finder() -> None:
-    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _AfterTorch)]
+def _remove_finder(then: Callable[[], None] | None = None) -> None:
+    """Take out the finders that would call ``then`` (default: aiak's activation)."""
+    then = activate if then is None else then
+    sys.meta_path[:] = [
+        f for f in sys.meta_path if not (isinstance(f, AfterTorch) and f.then is then)
+    ]
 
 
 def boot() -> None:
@@ -343,5 +351,5 @@ def boot() -> None:
         _started_by_activated.append(_descendant())
     if "torch" in sys.modules:
         activate()
-    elif not any(isinstance(f, _AfterTorch) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterTorch())
+    elif not any(isinstance(f, AfterTorch) and f.then is activate for f in sys.meta_path):
+        sys.meta_path.insert(0, AfterTorch(activate))
