@@ -107,13 +107,14 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device) -> dict
 
     for _ in range(args.warmup):  # DDP rebuilds its buckets; compressors start at step 2
         step()
-    # The checked step: a training step whose gradients are compared before the update. In
-    # training mode BatchNorm normalises with the batch's statistics, so the copy (made after
-    # DDP's forward) computes the same local gradients whatever its running buffers hold.
+    # The checked step: a training step whose gradients are compared with the exact average at
+    # the weights it starts from, taken before it (the overlap updates the weights during the
+    # backward). In training mode BatchNorm normalises with the batch's statistics, so the copy
+    # computes the same local gradients whatever its running buffers hold.
+    exact, half = references(name, model, x, y)
     opt.zero_grad(set_to_none=False)
     loss_of(name, ddp(x), y).backward()
     got = flat_grads(model)
-    exact, half = references(name, model, x, y)
     opt.step()
     err = ((got - exact).norm() / exact.norm()).item()
     err_fp16 = ((half - exact).norm() / exact.norm()).item()
