@@ -119,7 +119,7 @@ FLAGS: tuple[Flag, ...] = (
     ),
 )
 
-# Pairs that cannot run together (the seed: the fused optimizer and the overlap).
+# Pairs that cannot run together (e.g. the fused optimizer and the overlap, which steps its own).
 CONFLICTS: tuple[tuple[str, str, str], ...] = (
     ("--fuse-optimizer", "--overlap-backward-and-step", "the overlap steps its own optimizer"),
     ("--powersgd", "--fp16-compression", "choose one compression"),
