@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import re
 import statistics
 import sys
 import time
@@ -35,7 +36,19 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "recipes"))
 
+PHASES = ("zero_grad", "data", "forward", "backward", "optimizer")
 VARIANTS = ("o1", "o1_fused", "o2_torch", "o2_fused", "aiak")
+FAMILIES = (  # first match wins
+    (
+        "conv (cudnn)",
+        re.compile(r"conv|xmma|implicit|dgrad|wgrad|fprop|cudnn|sm90|sm80|cutlass", re.I),
+    ),
+    ("batch norm", re.compile(r"batch_norm|bn_|batchnorm", re.I)),
+    ("optimizer", re.compile(r"sgd|multi_tensor|foreach|fused_", re.I)),
+    ("casts / copies", re.compile(r"copy|cast", re.I)),
+    ("elementwise (relu, add, ...)", re.compile(r"elementwise|threshold|relu|add", re.I)),
+    ("pooling / gemm / loss", re.compile(r"pool|gemm|softmax|nll|reduce", re.I)),
+)
 SYNC_API = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
@@ -115,8 +128,10 @@ def profile(step) -> dict:
     syncs: dict[str, int] = defaultdict(int)
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
+            if e.name in PHASES or e.name.startswith("Optimizer."):
+                continue  # a user annotation's GPU span, not a kernel
             kernels[e.name].append(e.device_time / 2)
-        elif e.name in ("zero_grad", "data", "forward", "backward", "optimizer"):
+        elif e.name in PHASES:
             phases[e.name] += e.cpu_time_total / 2e3
         elif any(e.name.startswith(s) for s in SYNC_API) and "Async" not in e.name:
             syncs[e.name] += 1
@@ -160,6 +175,18 @@ def main() -> None:
         print(
             f"{v:10s} {t:8.2f} {base / t:7.3f} {pr['gpu_ms']:7.2f} {pr['kernels']:7d}  {ph} | {sy}"
         )
+    print("\nkernel time per step by family (ms):")
+    fams = [f for f, _ in FAMILIES] + ["other"]
+    print(f"{'family':30s}" + "".join(f"{v:>10s}" for v in names))
+    for fam in fams:
+        row = []
+        for v in names:
+            tot = 0.0
+            for k, (_n, us) in profs[v]["by_name"].items():
+                f = next((f for f, pat in FAMILIES if pat.search(k)), "other")
+                tot += us if f == fam else 0.0
+            row.append(tot / 1e3)
+        print(f"{fam:30s}" + "".join(f"{x:10.2f}" for x in row))
     if "o1" in profs and "aiak" in profs:
         a_k, b_k = profs["o1"]["by_name"], profs["aiak"]["by_name"]
         keys = sorted(
