@@ -205,7 +205,7 @@ def _plot(rows: list[dict], out: Path) -> Path | None:
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xticks([k + 0.4 - width / 2 for k in range(len(recipes))], recipes)
     ax.set_ylabel("step speed vs O1 eager")
-    ax.set_title(f"bench_e2e on {environment()['gpu']}")
+    ax.set_title(f"bench_e2e on {ok[0].get('gpu') or environment()['gpu']}")
     ax.legend(fontsize=8)
     fig.tight_layout()
     path = out / "e2e.png"
