@@ -176,6 +176,34 @@ def run_mode(args, mode: str, shell: str, tmp: Path, port: int) -> list[dict]:
     return rows
 
 
+def run_advise(args, shell: str, tmp: Path, port: int) -> int:
+    """``aiak-advise --verify`` on the plain DDP job (no aiak flag) of ``--advise``'s model
+    over the two nodes: its report is printed and kept in ``<--json>.advise.txt``."""
+    hosts = ",".join(f"{ns}={addr}:{args.per_node}" for ns, addr in zip(NS, ADDR))
+    argv = [sys.executable, "-m", "aiak.launch.advise", "--verify", "--steps", "12"]
+    argv += ["--limit", str(args.limit), "-H", hosts, "--remote-shell", shell]
+    argv += ["--rdzv-timeout", "120", "--", sys.executable, str(WORKER), "--models", args.advise]
+    # the worker's timed steps follow its warm-up and checked steps; the probe measures 12 of
+    # them after its 5 of warm-up, before the worker's optimizer-only steps
+    argv += ["--steps", "30", "--warmup", "2", "--out", str(tmp / "advise-rows.json")]
+    own = ("CUDA_VISIBLE_DEVICES", "NCCL_HOSTID", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("AIAK_", "PERSEUS_")) and k not in own
+    }
+    env.update(PERSEUS_MASTER_PORT=str(port), OMP_NUM_THREADS="1", GLOO_TIMEOUT_SECONDS="120")
+    env.update(NO_MULTICAST)
+    proc = subprocess.run(
+        argv, env=env, capture_output=True, text=True, timeout=3 * args.limit, check=False
+    )
+    text = proc.stdout + proc.stderr
+    print(text, flush=True)
+    if args.json:
+        Path(args.json + ".advise.txt").write_text(text)
+    return proc.returncode
+
+
 def check(rows: list[dict]) -> None:
     """Tolerances: lossless modes 1e-5 (the sum's order differs), fp16 wires torch's fp16 hook's
     error on the same gradients (or 2e-3, whichever is larger); lossy compressors report only."""
@@ -274,6 +302,9 @@ def main() -> int:
     p.add_argument("--csv", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--json", default="", help="also write the rows to this file")
     p.add_argument("--replot", action="store_true", help="plot the CSV's latest run, no runs")
+    p.add_argument(
+        "--advise", default="", help="run aiak-advise --verify on this model's plain DDP job, only"
+    )
     args = p.parse_args()
     nodes = len(NS)
     if args.replot:
@@ -302,6 +333,8 @@ def main() -> int:
             setup_link(NS)
             if args.rate:
                 set_rate(args.rate, NS)
+            if args.advise:
+                return run_advise(args, shell, Path(tmp), 29390)
             for i, mode in enumerate(modes):
                 missing = sorted(unavailable & set(MODES[mode]))
                 if missing:
