@@ -5,6 +5,8 @@ PowerSGD rank 1 and 4, DGC 0.001, downsampling n=4, and the backward/step overla
 (``--overlap-backward-and-step``) with FusedSGD and with DGC, each beside its base mode: the
 report's ``opt_ms`` is the base mode's optimizer step alone and ``opt_hidden`` the share of it
 that the overlap removes from the step. ``--per-node 1`` runs 2 nodes x 1 GPU.
+``--advise MODEL`` runs only ``aiak-advise --verify`` on that model's plain DDP job over the
+two nodes (its report printed, and kept beside ``--json``).
 
 Each node is a network namespace (``aiaknode0-<pid>``/``aiaknode1-<pid>``) joined to the other
 by a veth pair, optionally rate-limited with ``tc``. Every mode is one ``aiakrun`` job over both
