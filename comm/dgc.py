@@ -1,26 +1,35 @@
 """Deep Gradient Compression (Lin et al., ICLR 2018) as a composable hook, and its optimizer.
 
-Per bucket, every gradient with ``dim > 1`` is compressed; the others go densely:
+Per bucket, every gradient with ``dim > 1`` is compressed; the others go densely. The work of
+one bucket is a fixed number of torch calls, whatever its number of tensors (the bucket's
+memory and tables are flat, in the bucket's layout; the layout and its tables are built once):
 
-* local clipping (``clip_grad_func``: ``"norm"``, ``"value"`` or a callable, per tensor);
-* momentum correction in the hook's memory: ``mmt = m*mmt + g`` (nesterov: ``mmt = (mmt+g)*m``)
-  and ``vec += mmt`` (nesterov: ``mmt + g``);
-* selection of a FIXED ``k = ceil(numel * ratio)`` entries of ``vec`` by ``aiak::dgc_select``
-  (sample, threshold, adapt, compact; padded with index -1): no host synchronisation;
-* momentum factor masking: ``vec[idx] = 0`` and (``momentum_masking``) ``mmt[idx] = 0``;
-* one allgather of the packed (values, indices) bytes of the whole bucket, one averaging
-  allreduce of its dense tensors (momentum applied locally: averaging is linear, so that is
-  SGD momentum of the mean gradient); the result is ``zeros.index_add(idx_all, vals_all)/P``.
+* local clipping (``clip_grad_func``): ``"norm"`` per tensor by one ``index_add_`` over segment
+  ids, ``"value"`` one clamp; a user's callable is called once per tensor;
+* momentum correction in the hook's flat memory: ``mmt = m*mmt + g`` (nesterov:
+  ``mmt = (mmt+g)*m``) and ``vec += mmt`` (nesterov: ``mmt + g``);
+* every compressed tensor's selection in ONE call of ``aiak::dgc_segments_select``: a FIXED
+  ``k = ceil(numel * ratio)`` entries per tensor by DGC's reference rules (docs/dgc.md:
+  sampling, threshold, adaptation, exact top-k on overshoot; padded with index -1), the
+  samples' random starts (or positions) drawn in one generator call: no host synchronisation;
+* momentum factor masking: ``vec[idx] = 0`` and (``momentum_masking``) ``mmt[idx] = 0``, one
+  ``index_fill_`` each;
+* one allgather of the packed (indices, values) bytes of the whole bucket, one averaging
+  allreduce of its dense tensors, gathered and scattered by one precomputed index (momentum
+  applied locally: averaging is linear, so that is SGD momentum of the mean gradient); the
+  result is ``zeros.index_add(idx_all, vals_all) / P``.
 
 The optimizer must be SGD that applies momentum only to weight decay: :class:`DGCSGD`
 (``DGCSGD.from_optimizer(torch.optim.SGD(...))``; its code is comm/_dgc_sgd.py). Memory is
-kept per parameter (by name when the hook is registered with :func:`aiak.comm.register`), in
-fp32, and pickles with the state.
+fp32, flat per bucket, and pickles per parameter (by name when the hook is registered with
+:func:`aiak.comm.register`): ``state.mmt[key]`` / ``state.vec[key]``, ``n + 1`` elements for a
+compressed tensor (its last one a dump slot, 0) and ``n`` for a dense one (no ``vec``).
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -32,17 +41,16 @@ from ._checks import check_dgc_options
 from ._collectives import Link
 from ._dgc_sgd import DGCSGD, require_sgd
 
-_SELECT: list[Any] = []  # aiak.ops's selection op, imported on first use (lean import)
+_OPS: list[Any] = []  # aiak.ops's (plan, select), imported on first use (lean import)
 
 
-def _selector() -> Any:
-    if not _SELECT:
-        try:  # comm may use aiak.ops when it is installed (the selection kernel)
-            from aiak.ops.dgc_select import dgc_select
-        except ImportError:  # pragma: no cover - aiak.ops ships with aiak
-            dgc_select = None
-        _SELECT.append(dgc_select)
-    return _SELECT[0]
+def _segments() -> tuple[Callable[..., torch.Tensor], Callable[..., Any]]:
+    if not _OPS:
+        # comm may use aiak.ops (the foundation); importing it registers the op
+        from aiak.ops.dgc_segments import dgc_segments_plan, dgc_segments_select
+
+        _OPS.extend((dgc_segments_plan, dgc_segments_select))
+    return _OPS[0], _OPS[1]
 
 
 __all__ = ["DGCSGD", "DGCState", "check_dgc_optimizer", "dgc", "link_dgc_optimizer"]
@@ -50,6 +58,7 @@ __all__ = ["DGCSGD", "DGCState", "check_dgc_optimizer", "dgc", "link_dgc_optimiz
 
 class DGCState(HookState):
     __slots__ = (
+        "_mem",
         "awaits_optimizer",
         "clip_grad_func",
         "clip_grad_func_params",
@@ -82,8 +91,30 @@ class DGCState(HookState):
         # True for a hook built from AIAK_DGC=1: its momentum comes from the SGD optimizer
         # (link_dgc_optimizer); exchanging gradients before that would use a guessed momentum.
         self.awaits_optimizer = False
-        self.mmt: dict[str, torch.Tensor] = {}  # momentum per parameter (fp32, +1 dump slot)
-        self.vec: dict[str, torch.Tensor] = {}  # accumulated residual per parameter
+        # Per-parameter memory, the format that pickles: read by a bucket layout when it is
+        # built (its keys then leave these dicts), written back by __getstate__ and by a
+        # change of layout. momentum: fp32, +1 dump slot when compressed; vec: the residual.
+        self.mmt: dict[str, torch.Tensor] = {}
+        self.vec: dict[str, torch.Tensor] = {}
+        # run time: per bucket index, its flat memory and tables (_BucketMemory)
+        self._mem: dict[int, _BucketMemory] | None = {}
+
+    def export_memory(self) -> None:
+        """Write every bucket's flat memory into ``mmt`` / ``vec`` and drop the buckets."""
+        sparse = self.ratio() < 1.0
+        for mem in (self._mem or {}).values():
+            mem.export(self.mmt, self.vec, sparse)
+        self._mem = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        d = super().__getstate__()
+        # the per-parameter format, without touching the live buckets
+        mmt, vec = dict(self.mmt), dict(self.vec)
+        sparse = self.ratio() < 1.0
+        for mem in (self._mem or {}).values():
+            mem.export(mmt, vec, sparse)
+        d["mmt"], d["vec"] = mmt, vec
+        return d
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch the warm-up schedule reads (call it at the start of every epoch)."""
@@ -102,45 +133,187 @@ class DGCState(HookState):
         return r
 
 
-def _clip(state: DGCState, g: torch.Tensor) -> None:
-    fn, params = state.clip_grad_func, state.clip_grad_func_params or {}
-    if fn is None:
-        return
-    if fn == "value":
-        v = float(params["clip_value"])
-        g.clamp_(-v, v)
-    elif fn == "norm":
-        max_norm = float(params["max_norm"])
-        norm = torch.linalg.vector_norm(g, float(params.get("norm_type", 2.0)))
-        # a device-side factor: no host sync for the comparison
-        g.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(g.dtype))
-    else:
-        fn(g, **params)
+def _signature(buf: torch.Tensor, params: list) -> tuple:
+    """What decides a bucket's layout, read without a torch call per tensor."""
+    return (buf.numel(), buf.dtype, buf.device, tuple(map(id, params)))
 
 
-def _select(
-    state: DGCState, v: torch.Tensor, k: int, gen: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    n = v.numel()
-    if k >= n:
-        return v.clone(), torch.arange(n, device=v.device)
-    m = min(n, max(1, math.ceil(n * state.sample_ratio)))
-    _dgc_select = _selector()
-    if _dgc_select is None:  # aiak.ops absent: exact top-k, the same fixed-k contract
-        idx = torch.topk(v.abs(), k, sorted=False).indices.sort().values
-        return v[idx], idx
-    if state.strided_sample:
-        stride = max(1, n // m)
-        start = int(torch.randint(0, stride, (1,), generator=gen))
-        return _dgc_select(
-            v, k, m, start, stride, None, state.compress_upper_bound,
+class _Plan:
+    """One bucket layout's tables for one ratio (built once, kept on the device)."""
+
+    __slots__ = ("dpos", "kind", "n_rep", "segments", "start_rep", "strides", "table", "zeros")
+
+    def __init__(self, mem: _BucketMemory, ratio: float, state: DGCState) -> None:
+        big = [(off, n) for off, n, b in mem.tensors if b and ratio < 1.0]
+        dense = [(off, n) for off, n, b in mem.tensors if not b or ratio >= 1.0]
+        dev = mem.mmt.device
+        self.segments = len(big)
+        # "all": the whole buffer goes densely; "some": the positions ``dpos``; "none"
+        self.kind = "all" if not big else "some" if dense else "none"
+        self.dpos = self.table = self.strides = self.n_rep = self.start_rep = self.zeros = None
+        if self.kind == "some":
+            pos = [torch.arange(off, off + n, dtype=torch.int64) for off, n in dense]
+            self.dpos = torch.cat(pos).to(dev)
+        if not big:
+            return
+        if state.int32_indices and mem.length >= 2**31:
+            raise ValueError("dgc: int32_indices with a bucket of 2^31 elements or more")
+        plan_fn, _ = _segments()
+        plan = plan_fn([n for _, n in big], [off for off, _ in big], ratio, state.sample_ratio)
+        self.table = plan.to(dev)
+        if state.strided_sample:
+            self.strides = plan[:, 6].double()
+        else:
+            m = plan[:, 4]
+            self.n_rep = plan[:, 1].double().repeat_interleave(m)
+            self.start_rep = plan[:, 0].repeat_interleave(m)
+            self.zeros = torch.zeros(self.segments, dtype=torch.int64, device=dev)
+
+    def samples(
+        self, gen: torch.Generator, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This step's random starts (strided) or positions (uniform): one generator call."""
+        if self.strides is not None:
+            u = torch.rand(self.segments, generator=gen, dtype=torch.float64)
+            return u.mul_(self.strides).long().to(device, non_blocking=True), None
+        u = torch.rand(self.n_rep.numel(), generator=gen, dtype=torch.float64)
+        pos = u.mul_(self.n_rep).long().add_(self.start_rep)
+        return self.zeros, pos.to(device, non_blocking=True)
+
+
+class _BucketMemory:
+    """Momentum and residual of one bucket (flat fp32, + a dump slot at ``length``), its
+    tensors' places and its tables per ratio."""
+
+    __slots__ = ("_seg", "keys", "length", "mmt", "plans", "sig", "tensors", "vec")
+
+    def __init__(self, sig: tuple, bucket: Any, names: Mapping[Any, str], state: DGCState):
+        buf = bucket.buffer()
+        base, params = buf.storage_offset(), bucket.parameters()
+        self.sig, self.length = sig, buf.numel()
+        tensors, keys = [], []
+        for i, g in enumerate(bucket.gradients()):
+            n = g.numel()
+            p = params[i] if i < len(params) else None
+            key = names.get(p) if p is not None else None
+            keys.append(key or f"{bucket.index()}.{i}.{n}")
+            tensors.append((g.storage_offset() - base, n, g.dim() > 1))
+        order = sorted(range(len(tensors)), key=lambda i: tensors[i][0])
+        self.tensors: list[tuple[int, int, bool]] = [tensors[i] for i in order]
+        self.keys: list[str] = [keys[i] for i in order]
+        dev = buf.device
+        self.mmt = torch.zeros(self.length + 1, dtype=torch.float32, device=dev)
+        self.vec = torch.zeros(self.length + 1, dtype=torch.float32, device=dev)
+        for key, (off, n, _) in zip(self.keys, self.tensors):
+            for flat, saved in ((self.mmt, state.mmt), (self.vec, state.vec)):
+                t = saved.pop(key, None)
+                if t is not None and t.numel() in (n, n + 1):
+                    flat[off : off + n].copy_(t.reshape(-1)[:n])
+        self.plans: dict[float, _Plan] = {}
+        self._seg: torch.Tensor | None = None
+
+    def export(self, mmt: dict, vec: dict, sparse: bool) -> None:
+        """Write this bucket's memory into ``mmt`` / ``vec`` (the per-parameter format)."""
+        for key, (off, n, big) in zip(self.keys, self.tensors):
+            m = self.mmt[off : off + n]
+            if big and sparse:
+                mmt[key] = torch.cat([m, m.new_zeros(1)])
+                vec[key] = torch.cat([self.vec[off : off + n], m.new_zeros(1)])
+            else:
+                mmt[key] = m.clone()
+                vec.pop(key, None)
+
+    def plan(self, ratio: float, state: DGCState) -> _Plan:
+        got = self.plans.get(ratio)
+        if got is None:
+            got = self.plans[ratio] = _Plan(self, ratio, state)
+        return got
+
+    def segment_ids(self) -> torch.Tensor:
+        """Per element of the buffer, the place of its tensor (gaps: ``len(tensors)``)."""
+        if self._seg is None:
+            ids, lens, at = [], [], 0
+            for i, (off, n, _) in enumerate(self.tensors):
+                if off > at:
+                    ids.append(len(self.tensors))
+                    lens.append(off - at)
+                ids.append(i)
+                lens.append(n)
+                at = off + n
+            if at < self.length:
+                ids.append(len(self.tensors))
+                lens.append(self.length - at)
+            seg = torch.tensor(ids, dtype=torch.int32).repeat_interleave(torch.tensor(lens))
+            self._seg = seg.to(self.mmt.device)
+        return self._seg
+
+    def clip(self, state: DGCState, buf: torch.Tensor) -> None:
+        """Local clipping of every tensor of the bucket, in place."""
+        fn, params = state.clip_grad_func, state.clip_grad_func_params or {}
+        if fn is None:
+            return
+        if fn == "value":
+            v = float(params["clip_value"])
+            buf.clamp_(-v, v)
+            return
+        if fn != "norm":
+            for off, n, _ in self.tensors:  # a user's function: one call per tensor
+                fn(buf[off : off + n], **params)
+            return
+        max_norm, p = float(params["max_norm"]), float(params.get("norm_type", 2.0))
+        seg = self.segment_ids()
+        a = buf.abs().float()
+        acc = torch.zeros(len(self.tensors) + 1, dtype=torch.float32, device=buf.device)
+        if math.isinf(p):
+            with warnings.catch_warnings():  # index_reduce_ says it is beta, once
+                warnings.simplefilter("ignore", UserWarning)
+                norm = acc.index_reduce_(0, seg, a, "amax")
+        else:
+            norm = acc.index_add_(0, seg, a.pow_(p)).pow_(1.0 / p)
+        # a device-side factor per tensor: no host sync for the comparison
+        factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(buf.dtype)
+        buf.mul_(factor.index_select(0, seg))
+
+    def step(self, state: DGCState, buf: torch.Tensor, ratio: float, gen: torch.Generator):
+        """Clip, momentum, select and mask. Returns ``(plan, dense values or None, selected
+        positions or None, their values)``: positions index the bucket, padding is ``length``
+        (the dump slot, value 0); dense values are the plan's ``dpos`` (or the whole buffer)."""
+        plan = self.plan(ratio, state)
+        self.clip(state, buf)
+        length, m = self.length, state.momentum
+        body = self.mmt[:length]
+        if state.nesterov:
+            body.add_(buf).mul_(m)
+        else:
+            body.mul_(m).add_(buf)
+        # fp16_values halves the dense allreduce too, as DGC's reference does
+        ddtype = torch.float16 if state.fp16_values else buf.dtype
+        dense = None
+        if plan.kind == "all":
+            dense = body.add(buf).to(ddtype) if state.nesterov else body.to(ddtype, copy=True)
+            return plan, dense, None, None
+        if plan.kind == "some":
+            dense = body.index_select(0, plan.dpos)
+            if state.nesterov:
+                dense.add_(buf.index_select(0, plan.dpos))
+            dense = dense.to(ddtype)
+        vec = self.vec[:length]
+        vec.add_(body)
+        if state.nesterov:
+            vec.add_(buf)
+        if plan.dpos is not None:
+            vec.index_fill_(0, plan.dpos, 0.0)  # dense tensors keep no residual
+        start, where = plan.samples(gen, buf.device)
+        _, select = _segments()
+        vals, idx = select(
+            self.vec, plan.table, start, where, state.compress_upper_bound,
             state.compress_lower_bound, state.max_adaptation_iters, state.resample,
         )  # fmt: skip
-    samples = torch.randint(0, n, (m,), generator=gen).to(v.device, non_blocking=True)
-    return _dgc_select(
-        v, k, m, 0, 1, samples, state.compress_upper_bound, state.compress_lower_bound,
-        state.max_adaptation_iters, state.resample,
-    )  # fmt: skip
+        idx = torch.where(idx < 0, length, idx)
+        self.vec.index_fill_(0, idx, 0.0)  # the dump slot stays 0
+        if state.momentum_masking:
+            self.mmt.index_fill_(0, idx, 0.0)
+        return plan, dense, idx, vals
 
 
 class _DGC(CommHook):
@@ -158,69 +331,31 @@ class _DGC(CommHook):
                 "for DGCSGD) or call aiak.comm.link_dgc_optimizer(hook, optimizer)"
             )
         buf = bucket.buffer()
-        length, base = buf.numel(), buf.storage_offset()
-        names = state._names or {}
+        length = buf.numel()
+        if state._mem is None:
+            state._mem = {}
+        sig = _signature(buf, bucket.parameters())
+        mem = state._mem.get(bucket.index())
+        if mem is None or mem.sig != sig:
+            if mem is not None:  # a new layout: every bucket re-reads the per-key memory
+                state.export_memory()
+            mem = _BucketMemory(sig, bucket, state._names or {}, state)
+            state._mem[bucket.index()] = mem
         world = link.size
-        ratio = state.ratio()
-        m = state.momentum
-        params = bucket.parameters()
-        dense: list[tuple[int, torch.Tensor]] = []
-        vals: list[torch.Tensor] = []
-        idxs: list[torch.Tensor] = []
         gen = torch.Generator().manual_seed(
             (state.seed * 1_000_003 + bucket.step) * 7919 + bucket.index()
         )
-        for i, g in enumerate(bucket.gradients()):
-            n = g.numel()
-            off = g.storage_offset() - base
-            flat = buf[off : off + n]  # the view's memory, in its layout (channels_last too)
-            _clip(state, flat)
-            p = params[i] if i < len(params) else None
-            key = names.get(p) if p is not None else None
-            key = key or f"{bucket.index()}.{i}.{n}"
-            sparse = g.dim() > 1 and ratio < 1.0
-            size = n + 1 if sparse else n  # sparse memory: one dump slot for padded indices
-            mmt = state.mmt.get(key)
-            if mmt is None or mmt.numel() != size or mmt.device != buf.device:
-                mmt = state.mmt[key] = torch.zeros(size, dtype=torch.float32, device=buf.device)
-                state.vec.pop(key, None)
-            body = mmt[:n]
-            if state.nesterov:
-                body.add_(flat).mul_(m)
-            else:
-                body.mul_(m).add_(flat)
-            if not sparse:
-                out = body + flat if state.nesterov else body
-                dense.append((off, out))
-                continue
-            vec = state.vec.get(key)
-            if vec is None:
-                vec = state.vec[key] = torch.zeros(size, dtype=torch.float32, device=buf.device)
-            vec[:n].add_(body)
-            if state.nesterov:
-                vec[:n].add_(flat)
-            k = min(n, max(1, math.ceil(n * ratio)))
-            v, idx = _select(state, vec[:n], k, gen)
-            dump = torch.where(idx < 0, n, idx)
-            vec.index_fill_(0, dump, 0.0)
-            if state.momentum_masking:
-                mmt.index_fill_(0, dump, 0.0)
-            vals.append(v)
-            idxs.append(torch.where(idx < 0, length, idx + off))  # bucket offsets; dump = end
-
+        plan, dense, idx, vals = mem.step(state, buf, state.ratio(), gen)
         futs = []
-        if dense:
-            dbuf = torch.cat([t.reshape(-1) for _, t in dense]).to(buf.dtype)
-            futs.append(_futures.real(_collectives.all_reduce_mean(dbuf, link, state.traffic)))
-        if vals:
+        if dense is not None:
+            futs.append(_futures.real(_collectives.all_reduce_mean(dense, link, state.traffic)))
+        if idx is not None:
             vdtype = torch.float16 if state.fp16_values else torch.float32
             idtype = torch.int32 if state.int32_indices else torch.int64
-            if state.int32_indices and length >= 2**31:
-                raise ValueError("dgc: int32_indices with a bucket of 2^31 elements or more")
-            vcat = torch.cat(vals).to(vdtype)
-            icat = torch.cat(idxs).to(idtype)
-            nvb = vcat.numel() * vcat.element_size()
-            payload = torch.cat([vcat.view(torch.uint8), icat.view(torch.uint8)])
+            # indices first: both views then start at a multiple of their element size
+            icat, vcat = idx.to(idtype), vals.to(vdtype)
+            nib = icat.numel() * icat.element_size()
+            payload = torch.cat([icat.view(torch.uint8), vcat.view(torch.uint8)])
             gathered = torch.empty(world * payload.numel(), dtype=torch.uint8, device=buf.device)
             futs.append(
                 _futures.real(_collectives.all_gather(gathered, payload, link, state.traffic))
@@ -229,22 +364,20 @@ class _DGC(CommHook):
         def decode(done: list[torch.futures.Future]) -> torch.Tensor:
             for f in done:
                 f.value()  # re-raises a failed collective
-            if vals:
+            if idx is not None:
                 _streams.keep(gathered)
                 rows = gathered.view(world, -1)
-                v_all = rows[:, :nvb].contiguous().view(vdtype).reshape(-1)
-                i_all = rows[:, nvb:].contiguous().view(idtype).reshape(-1).long()
+                i_all = rows[:, :nib].reshape(-1).view(idtype)
+                v_all = rows[:, nib:].reshape(-1).view(vdtype)
                 acc = torch.zeros(length + 1, dtype=torch.float32, device=buf.device)
                 acc.index_add_(0, i_all, v_all.float())
                 buf.copy_(acc[:length].div_(world))
-            else:
-                buf.zero_()
-            if dense:
-                _streams.keep(dbuf)
-                o = 0
-                for off, t in dense:
-                    buf[off : off + t.numel()].copy_(dbuf[o : o + t.numel()])
-                    o += t.numel()
+            if dense is not None:
+                _streams.keep(dense)
+                if plan.kind == "all":
+                    buf.copy_(dense)
+                else:
+                    buf.index_copy_(0, plan.dpos, dense.to(buf.dtype))
             return buf
 
         return _futures.after(torch.futures.collect_all(futs), decode, buf)
