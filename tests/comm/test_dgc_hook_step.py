@@ -161,7 +161,7 @@ def test_bucket_step_equals_the_per_tensor_algorithm(kw) -> None:
     for step in range(4):
         bucket.buf.copy_(torch.randn(bucket.buf.numel(), generator=data))
         grads = [g.clone() for g in bucket.grads]
-        plan, dense, idx, vals = mem.step(state, bucket.buf, state.ratio(), _gen(step))
+        _, dense, idx, vals = mem.step(state, bucket.buf, state.ratio(), _gen(step))
         e_dense, e_idx, e_vals = _reference_step(state, grads, mmt, vec, _gen(step))
         if e_dense is not None:
             torch.testing.assert_close(dense, e_dense, rtol=1e-5, atol=1e-6)
