@@ -385,3 +385,60 @@ def test_sample_ratio_is_floored_at_one_percent() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert comm.dgc(sample_ratio=0.01).state.sample_ratio == 0.01
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    "kw", [{}, {"nesterov": True, "resample": False}, {"strided_sample": False}]
+)
+def test_bucket_step_on_cuda_equals_the_cpu_step(kw) -> None:
+    state = comm.dgc(**{"compress_ratio": 0.01, **kw}).state
+    cpu, gpu = Bucket(SHAPES), Bucket(SHAPES)
+    gpu.buf = gpu.buf.cuda()
+    at, gpu.grads = 0, []
+    for g in cpu.grads:
+        gpu.grads.append(gpu.buf[at : at + g.numel()].view(g.shape))
+        at += g.numel()
+    mems = _memory(state, cpu), _memory(state, gpu)
+    data = torch.Generator().manual_seed(3)
+    for step in range(3):
+        g = torch.randn(cpu.buf.numel(), generator=data)
+        cpu.buf.copy_(g)
+        gpu.buf.copy_(g)
+        _, da, ia, va = mems[0].step(state, cpu.buf, state.ratio(), _gen(step))
+        _, db, ib, vb = mems[1].step(state, gpu.buf, state.ratio(), _gen(step))
+        torch.testing.assert_close(db.cpu(), da, rtol=1e-6, atol=1e-7)
+        assert torch.equal(ib.cpu(), ia), step  # the same selection
+        torch.testing.assert_close(vb.cpu(), va, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(mems[1].vec.cpu(), mems[0].vec, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(mems[1].mmt.cpu(), mems[0].mmt, rtol=1e-6, atol=1e-7)
+
+
+_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("clip", [None, "norm"])
+def test_cuda_launches_per_bucket_do_not_grow_with_its_tensors(clip, monkeypatch) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    monkeypatch.setattr(_collectives, "all_gather", _inline_all_gather)
+    link = Link(None, (0,), inter=False)  # world 1: no collective runs
+    params = {"max_norm": 1.0} if clip else None
+    counts = []
+    for repeat in (4, 32):
+        hook = comm.dgc(compress_ratio=0.01, clip_grad_func=clip, clip_grad_func_params=params)
+        bucket = Bucket([(64, 90), (64,)] * repeat)
+        bucket.buf = torch.randn(bucket.buf.numel(), device="cuda")
+        at, bucket.grads = 0, []
+        for p in bucket.params:
+            bucket.grads.append(bucket.buf[at : at + p.numel()].view(p.shape))
+            at += p.numel()
+        _reduce(hook, bucket, link)
+        bucket.step = 1
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            _reduce(hook, bucket, link)
+            torch.cuda.synchronize()
+        counts.append(sum(e.count for e in prof.key_averages() if e.key in _LAUNCHES))
+    assert counts[0] == counts[1] > 0, counts
