@@ -209,7 +209,7 @@ class _BucketMemory:
                 t = saved.pop(key, None)
                 if t is not None and t.numel() in (n, n + 1):
                     flat[off : off + n].copy_(t.reshape(-1)[:n])
-        self.plans: dict[float, _Plan] = {}
+        self.plans: dict[tuple, _Plan] = {}
         self._seg: torch.Tensor | None = None
 
     def export(self, mmt: dict, vec: dict, sparse: bool) -> None:
@@ -224,9 +224,11 @@ class _BucketMemory:
                 vec.pop(key, None)
 
     def plan(self, ratio: float, state: DGCState) -> _Plan:
-        got = self.plans.get(ratio)
+        # the settings a plan reads: a state changed between steps gets a new one
+        key = (ratio, state.sample_ratio, state.strided_sample, state.int32_indices)
+        got = self.plans.get(key)
         if got is None:
-            got = self.plans[ratio] = _Plan(self, ratio, state)
+            got = self.plans[key] = _Plan(self, ratio, state)
         return got
 
     def segment_ids(self) -> torch.Tensor:

@@ -150,15 +150,14 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("kw", CASES)
-def test_bucket_step_equals_the_per_tensor_algorithm(kw) -> None:
-    state = comm.dgc(**{"compress_ratio": 0.05, "momentum": 0.9, **kw}).state
+def _compare_steps(state: DGCState, epochs: list[int]) -> None:
     bucket = Bucket(SHAPES)
     mem = _memory(state, bucket)
     mmt = [torch.zeros(g.numel()) for g in bucket.grads]
     vec = [torch.zeros(g.numel()) for g in bucket.grads]
     data = torch.Generator().manual_seed(0)
-    for step in range(4):
+    for step, epoch in enumerate(epochs):
+        state.set_epoch(epoch)
         bucket.buf.copy_(torch.randn(bucket.buf.numel(), generator=data))
         grads = [g.clone() for g in bucket.grads]
         _, dense, idx, vals = mem.step(state, bucket.buf, state.ratio(), _gen(step))
@@ -178,6 +177,19 @@ def test_bucket_step_equals_the_per_tensor_algorithm(kw) -> None:
             if b:
                 torch.testing.assert_close(mem.vec[o : o + n], ref, rtol=1e-5, atol=1e-6)
         assert mem.vec[-1] == 0 and mem.mmt[-1] == 0  # the dump slot
+
+
+@pytest.mark.parametrize("kw", CASES)
+def test_bucket_step_equals_the_per_tensor_algorithm(kw) -> None:
+    state = comm.dgc(**{"compress_ratio": 0.05, "momentum": 0.9, **kw}).state
+    _compare_steps(state, [0, 0, 0, 0])
+
+
+def test_warm_up_from_dense_to_sparse_keeps_the_momentum() -> None:
+    """Warm-up epochs at ratio 1 send everything densely; the momentum carries over into the
+    first compressed epoch, and the warm-up ratios in between get their own plans."""
+    state = comm.dgc(compress_ratio=0.02, warmup_epochs=2, warmup_coeff=[1.0, 0.2]).state
+    _compare_steps(state, [0, 0, 1, 1, 2, 2])
 
 
 @pytest.fixture(scope="module")
