@@ -19,7 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from aiak import comm
 from aiak.comm import _collectives, _futures
 from aiak.comm._collectives import Link
-from aiak.comm.dgc import DGCState, _BucketMemory, _signature
+from aiak.comm._dgc_bucket import BucketMemory, signature
+from aiak.comm.dgc import DGCState
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _dgc_ref import plan_f64, sparsify_f64
@@ -60,9 +61,9 @@ def _names(bucket: Bucket) -> dict:
     return {p: f"p{i}" for i, p in enumerate(bucket.params)}
 
 
-def _memory(state: DGCState, bucket: Bucket) -> _BucketMemory:
-    sig = _signature(bucket.buf, bucket.params)
-    return _BucketMemory(sig, bucket, _names(bucket), state)
+def _memory(state: DGCState, bucket: Bucket) -> BucketMemory:
+    sig = signature(bucket.buf, bucket.params)
+    return BucketMemory(sig, bucket, _names(bucket), state)
 
 
 def _gen(step: int) -> torch.Generator:
