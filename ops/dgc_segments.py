@@ -39,10 +39,16 @@ from typing import Any
 
 import torch
 
-from aiak.ops._capability import Capability, declare
+from aiak.ops._capability import Capability, declare, use_kernel
+from aiak.ops._dgc_segments_cuda import launch_segments, launches_per_call
 from aiak.ops._registry import define
 
-__all__ = ["dgc_segments_plan", "dgc_segments_select", "host_plan", "reference_thresholds"]
+__all__ = [
+    "dgc_segments_plan",
+    "dgc_segments_select",
+    "host_plan",
+    "launches_per_call",
+]
 
 SEGMENTS = declare(Capability("dgc_segments_select", dtypes=(torch.float32,)))
 MAX_ITERS = 20
@@ -136,7 +142,7 @@ def _check_rows(rows: list[list[int]], numel: int) -> None:
             raise ValueError(f"{where}: segment [{start}, {start}+{n}) is not inside x ({numel})")
         if not 1 <= k <= n or not 1 <= m <= n or not 1 <= ks <= m or stride < 1:
             raise ValueError(f"{where}: needs 1 <= k <= n, 1 <= ks <= m <= n, stride >= 1")
-        if m < n and ((stride == 1 and m != n) or m > n // stride):
+        if m < n and m != n // stride:
             raise ValueError(f"{where}: {m} samples do not fit stride {stride} over {n}")
         if oo != out_off or so != sample_off:
             raise ValueError(f"{where}: out_off/sample_off are not the cumulative k/m")
@@ -190,8 +196,8 @@ def check(args: tuple) -> HostPlan:
         raise TypeError(f"{_OP}: sample_start must be an int64 tensor")
     if sample_start.shape != (s,) or sample_start.device != x.device:
         raise ValueError(f"{_OP}: sample_start must be [{s}] on {x.device}")
-    if not upper > 1.0:
-        raise ValueError(f"{_OP}: upper must be > 1, got {upper}")
+    if not 1.0 < upper <= 3e38:  # fp32(upper) finite: 0 * inf would make a NaN threshold
+        raise ValueError(f"{_OP}: upper must be in (1, 3e38], got {upper}")
     if not 0.0 < lower < 1.0:
         raise ValueError(f"{_OP}: lower must be in (0, 1), got {lower}")
     if not 0 <= iters <= MAX_ITERS:
@@ -221,15 +227,6 @@ def _scale(thr: int, factor32: float) -> int:
 
 def _fp32(v: float) -> float:
     return float(torch.tensor(v, dtype=torch.float64).float())
-
-
-def reference_thresholds(thr0: int, upper: float, lower: float, ups: int, downs: int) -> int:
-    """thr0 scaled ``ups`` times by upper then ``downs`` times by lower, rounded every step."""
-    for _ in range(ups):
-        thr0 = _scale(thr0, _fp32(upper))
-    for _ in range(downs):
-        thr0 = _scale(thr0, _fp32(lower))
-    return thr0
 
 
 def _select_segment(
@@ -316,18 +313,23 @@ def _fake(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return x.new_empty(total), x.new_empty(total, dtype=torch.int64)
 
 
-def _define(cuda: Any) -> Any:
-    return define(
-        "dgc_segments_select(Tensor x, Tensor table, Tensor sample_start, "
-        "Tensor? sample_indices, float upper, float lower, int iters, bool resample) "
-        "-> (Tensor, Tensor)",
-        _reference,
-        cuda=cuda,
-        fake=_fake,
-    )
+def _select_cuda(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CUDA kernels; arguments as in the op's schema (:func:`_reference`)."""
+    x = args[0]
+    plan = check(args)
+    if not plan.rows or not use_kernel(SEGMENTS, x.device, (x.dtype,)):
+        return _reference(*args)
+    return launch_segments(args, plan)
 
 
-SEGMENTS_OP = _define(None)
+SEGMENTS_OP = define(
+    "dgc_segments_select(Tensor x, Tensor table, Tensor sample_start, "
+    "Tensor? sample_indices, float upper, float lower, int iters, bool resample) "
+    "-> (Tensor, Tensor)",
+    _reference,
+    cuda=_select_cuda,
+    fake=_fake,
+)
 
 
 def dgc_segments_select(

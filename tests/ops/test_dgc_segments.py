@@ -173,8 +173,7 @@ def test_resnet50_bucket_on_cpu() -> None:
     lengths = resnet50_numels()
     starts, size = _layout(lengths, [0] * len(lengths))
     x = _data(size, "heavy", 50)
-    for resample in (True, False):
-        _run(x, lengths, starts, 0.001, 0.01, 5, False, 1.3, 0.8, 10, resample, "cpu")
+    _run(x, lengths, starts, 0.001, 0.01, 5, False, 1.3, 0.8, 10, True, "cpu")
 
 
 def _args(**kw):
@@ -245,3 +244,133 @@ def test_opcheck_and_empty_plan() -> None:
     empty = dgc_segments_plan([], [], 0.01, 0.01)
     v, i = dgc_segments_select(x, empty, torch.zeros(0, dtype=torch.int64))
     assert v.shape == (0,) and i.shape == (0,)
+
+
+@pytest.mark.parametrize(("iters", "resample"), [(10, True), (10, False), (0, True), (3, True)])
+def test_launches_are_fixed_whatever_the_number_of_segments(
+    recorder, monkeypatch, iters, resample
+) -> None:
+    """The launcher on the CPU with cuLaunchKernelEx recorded: the same launches for 1, 7 or
+    161 segments, grids over the whole bucket (tiles, sample blocks, segments)."""
+    from aiak.ops import _dgc_segments_cuda as cu
+    from aiak.ops.dgc_segments import check, launches_per_call
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
+    tile, samp = cu._TILE, cu._SAMP
+    for lengths in ([5000], [1, 4096, 4097, 9000, 2304, 70_000, 3], resnet50_numels()):
+        starts, size = _layout(lengths, [1] * len(lengths))
+        x = torch.zeros(size)
+        table = dgc_segments_plan(lengths, starts, 0.001, 0.01)
+        s = len(lengths)
+        args = (x, table, torch.zeros(s, dtype=torch.int64), None, 1.3, 0.8, iters, resample)
+        recorder.launches.clear()
+        cu.launch_segments(args, check(args))
+        names = [launch["name"] for launch in recorder.launches]
+        assert len(names) == launches_per_call(iters, resample)
+        loop = ["dgc_seg_count", "dgc_seg_decide"] * iters
+        exact = ["dgc_seg_exact_hist", "dgc_seg_pick"] * 4 if resample and iters else []
+        want = ["dgc_seg_init", *["dgc_seg_sample_hist", "dgc_seg_pick"] * 4, *loop, *exact]
+        assert names == [*want, "dgc_seg_tile_counts", "dgc_seg_scan", "dgc_seg_write"]
+        tiles = sum(-(-n // tile) for n in lengths)
+        rows = table.tolist()
+        sblocks = sum(-(-(r[1] if r[4] == r[1] else r[4] + 1) // samp) for r in rows)
+        grids = {launch["name"]: launch["dims"][0] for launch in recorder.launches}
+        assert grids["dgc_seg_init"] == grids["dgc_seg_scan"] == s
+        assert grids["dgc_seg_sample_hist"] == sblocks
+        assert grids["dgc_seg_write"] == grids["dgc_seg_tile_counts"] == tiles
+        assert all(launch["dims"][3] == 256 for launch in recorder.launches)
+        assert all(launch["args"]["S"] == s and launch["args"]["T"] == tiles
+                   for launch in recorder.launches)  # fmt: skip
+        dependent = [bool(launch["attr"] and launch["attr"][1]) for launch in recorder.launches]
+        assert dependent == [False] + [True] * (len(names) - 1)
+        aux = cu._aux(check(args), x.device)[0].tolist()
+        assert aux[: s + 1] == list(np.cumsum([0] + [-(-n // tile) for n in lengths]))
+
+
+def _cuda_cases():
+    g = torch.Generator().manual_seed(37)
+    cases = [[1], [7, 4096, 4097, 8193], [15_000, 1, 2304, 40_000], [300_001, 17]]
+    cases += [torch.randint(1, 30_000, (int(c),), generator=g).tolist() for c in (3, 20, 60)]
+    return cases
+
+
+_LOOPS = [(True, 10, False), (False, 10, True), (True, 20, True), (False, 3, False)]
+_LOOPS += [(True, 0, False), (True, 1, True)]  # (resample, iters, uniform sampling)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["normal", "heavy", "ties", "ramp", "special"])
+@pytest.mark.parametrize("lengths", _cuda_cases())
+def test_cuda_kernel_matches_the_reference(kind, lengths) -> None:
+    starts, size = _layout(lengths, [j % 4 for j in range(len(lengths))])
+    x = _data(size, kind, len(lengths))
+    for ratio, sr in ((0.001, 0.01), (0.01, 0.01), (0.3, 0.1), (1.0, 1.0), (0.0001, 0.01)):
+        for resample, iters, uniform in _LOOPS:
+            _run(x, lengths, starts, ratio, sr, 3, uniform, 1.3, 0.8, iters, resample, "cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("resample", [True, False])
+@pytest.mark.parametrize("uniform", [False, True])
+@pytest.mark.parametrize("ratio", [0.001, 0.01])
+def test_cuda_resnet50_bucket_matches_the_reference(resample, uniform, ratio) -> None:
+    lengths = resnet50_numels()
+    starts, size = _layout(lengths, [0] * len(lengths))
+    for kind in ("heavy", "normal", "ties"):
+        x = _data(size, kind, 50)
+        _run(x, lengths, starts, ratio, 0.01, 5, uniform, 1.3, 0.8, 10, resample, "cuda")
+
+
+@pytest.mark.cuda
+def test_cuda_walks_resample_stops_and_reuse() -> None:
+    x = torch.ones(10_000)  # the threshold walks up and down; then a resample stop
+    for iters in range(8):
+        for resample in (False, True):
+            _run(x, [10_000], [0], 0.01, 0.01, 0, False, 1.3, 0.8, iters, resample, "cuda")
+    y = torch.ones(30_000)
+    y[9_900:10_000] = 2.0
+    y[25_000:25_050] = -3.0
+    for r in range(3):  # the same workspace, other tables and values
+        _run(y, [10_000, 20_000], [0, 10_000], 0.01, 0.01, r, False, 1.3, 0.8, 10, True, "cuda")
+        _run(y, [10_000, 20_000], [0, 10_000], 0.005, 0.01, r, True, 1.3, 0.8, 10, False, "cuda")
+    table = dgc_segments_plan([10_000, 20_000], [0, 10_000], 0.01, 0.01).cuda()
+    s0 = torch.zeros(2, dtype=torch.int64, device="cuda")
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):  # another stream: a workspace of its own
+        v, i = dgc_segments_select(y.cuda(), table, s0)
+    torch.cuda.synchronize()
+    ev, ei = select(y.numpy(), table.tolist(), [0, 0], None, 1.3, 0.8, 10, True)
+    np.testing.assert_array_equal(i.cpu().numpy(), ei)
+    np.testing.assert_array_equal(v.double().cpu().numpy(), ev)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("programmatic", [True, False])
+def test_cuda_calls_back_to_back_between_torch_kernels(programmatic) -> None:
+    """Each launch after the first may start before the one before it ends (sm_90+): torch
+    kernels that rewrite x right before and right after every call must not leak into it."""
+    from aiak.ops import _driver
+
+    lengths = resnet50_numels()[:40]
+    starts, size = _layout(lengths, [2] * len(lengths))
+    rows = dgc_segments_plan(lengths, starts, 0.001, 0.01)
+    table, s0 = rows.cuda(), torch.ones(len(lengths), dtype=torch.int64, device="cuda")
+    data = [_data(size, kind, 3) for kind in ("heavy", "ties", "normal")]
+    want = [select(d.numpy(), rows.tolist(), [1] * len(lengths), None, 1.3, 0.8, 10, True)
+            for d in data]  # fmt: skip
+    dev = [d.cuda() for d in data]
+    x = torch.empty_like(dev[0])
+    previous = _driver.programmatic_launches(programmatic)
+    try:
+        got = []
+        for r in range(9):
+            x.copy_(dev[r % 3])
+            got.append(dgc_segments_select(x, table, s0))
+            x.neg_()  # a plain launch right after: it must wait for every kernel of the call
+    finally:
+        _driver.programmatic_launches(previous)
+    for r, (v, i) in enumerate(got):
+        ev, ei = want[r % 3]
+        np.testing.assert_array_equal(i.cpu().numpy(), ei)
+        np.testing.assert_array_equal(v.double().cpu().numpy(), ev)
