@@ -94,6 +94,12 @@ def check_sparse_selection(results: dict) -> None:
     ]
     lengths = [max(1, math.ceil(p.numel() * ratio)) for p in model.parameters() if p.dim() > 1]
     results["bytes_dgc"] = hook.state.bytes_sent()
+    # fp16_values: the values AND the dense tensors' allreduce travel in fp16
+    half = comm.dgc(compress_ratio=ratio, sample_ratio=1.0, momentum=0.0, fp16_values=True)
+    ddp16 = DDP(copy.deepcopy(local), bucket_cap_mb=CAP_MB)
+    comm.register(ddp16, half)
+    nn.functional.mse_loss(ddp16(x), y).backward()
+    results["bytes_dgc_fp16"] = half.state.bytes_sent()
     results["bytes_dgc_formula"] = {
         "sparse_pairs": sum(lengths),
         "dense_elems": sum(p.numel() for p in model.parameters() if p.dim() <= 1),
