@@ -2,6 +2,7 @@
 
     python benchmarks/bench_dgc_select.py [--n 25000000] [--ratio 0.001]
     python benchmarks/bench_dgc_select.py --overlap   # overlap_step on a 1-GPU DDP ResNet-50
+    python benchmarks/bench_dgc_select.py --segments  # one bucket of ResNet-50's 161 shapes
 
 Targets (H100): selection >= 10x faster than torch.topk(|g|, k) and within 3x of the time one
 read of the gradient takes at copy bandwidth (copy_bandwidth() counts read + write bytes, so
@@ -16,7 +17,12 @@ launch), and the GPU time of each kernel in that mode.
 backward, against the same step with aiak.comm.overlap_step (steps on aiak's worker thread, the
 default, and inline on DDP's autograd thread); the share of the optimizer's own time (measured
 alone) that disappears from the step is printed (target >= 70%).
-Appends to benchmarks/results/dgc_select.csv.
+``--segments``: ResNet-50's 161 parameter shapes as one bucket (one flat fp32 tensor, ``--ratio``,
+sample ratio 0.01), the per-tensor ``dgc_select`` loop against one ``dgc_segments_select`` call:
+``*_host_ms`` the host's time per call (return of the call, GPU not waited for), ``*_gpu_ms`` the
+GPU time alone (CUDA graph replay), ``*_ms`` a call between CUDA events; the ratios are
+loop / segments; appends to benchmarks/results/dgc_segments.csv.
+The default mode appends to benchmarks/results/dgc_select.csv.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from _harness import append_csv, copy_bandwidth, print_table, time_eager, time_g
 
 import aiak.ops  # noqa: F401
 from aiak.ops import _driver
+from aiak.ops.dgc_segments import dgc_segments_plan, dgc_segments_select
+from aiak.ops.dgc_segments import launches_per_call as segment_launches
 from aiak.ops.dgc_select import dgc_select, launches_per_call
 
 
@@ -120,6 +128,80 @@ def bench_select(n: int, ratio: float) -> dict:
     }
 
 
+def resnet50_numels() -> list[int]:
+    """The numel of each of ResNet-50's 161 parameters, in torchvision's order."""
+    out = [64 * 3 * 7 * 7, 64, 64]
+    inplanes = 64
+    for planes, blocks in ((64, 3), (128, 4), (256, 6), (512, 3)):
+        for b in range(blocks):
+            out += [planes * inplanes, planes, planes, planes * planes * 9, planes, planes]
+            out += [4 * planes * planes, 4 * planes, 4 * planes]
+            if b == 0:
+                out += [4 * planes * inplanes, 4 * planes, 4 * planes]
+            inplanes = 4 * planes
+    return [*out, 1000 * 2048, 1000]
+
+
+def host_ms(fn, calls: int = 50) -> float:
+    """Host milliseconds per call of ``fn`` (its return; the GPU is not waited for)."""
+    import time
+
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t) / calls * 1e3
+    torch.cuda.synchronize()
+    return host
+
+
+def bench_segments(ratio: float) -> dict:
+    lengths = resnet50_numels()
+    starts = [0]
+    for n in lengths[:-1]:
+        starts.append(starts[-1] + n)
+    x = torch.randn(sum(lengths), device="cuda")
+    plan = dgc_segments_plan(lengths, starts, ratio, 0.01)
+    table = plan.cuda()
+    s0 = torch.tensor([r[6] // 2 for r in plan.tolist()], device="cuda")
+    per_tensor = [  # (view, k, m, sample_start, stride) with the same plan
+        (x[r[0] : r[0] + r[1]], r[2], r[4], r[6] // 2, r[6]) for r in plan.tolist()
+    ]
+
+    def segments_fn():
+        return dgc_segments_select(x, table, s0)
+
+    def loop_fn():
+        return [dgc_select(v, k, m, a, st) for v, k, m, a, st in per_tensor]
+
+    seg_host, loop_host = host_ms(segments_fn), host_ms(loop_fn, 10)
+    _, seg_eager, _ = time_eager(segments_fn)
+    _, loop_eager, _ = time_eager(loop_fn, reps=10)
+    seg_graph, loop_graph = time_graph(segments_fn), time_graph(loop_fn)
+    seg_gpu = seg_graph[1] if seg_graph else float("nan")
+    loop_gpu = loop_graph[1] if loop_graph else float("nan")
+    print("GPU time per kernel of one segments call (us):", kernel_times(segments_fn))
+    return {
+        "tensors": len(lengths),
+        "elements": sum(lengths),
+        "ratio": ratio,
+        "loop_host_ms": round(loop_host, 3),
+        "segments_host_ms": round(seg_host, 3),
+        "host_ratio": round(loop_host / seg_host, 2),
+        "loop_gpu_ms": round(loop_gpu, 3),
+        "segments_gpu_ms": round(seg_gpu, 3),
+        "gpu_ratio": round(loop_gpu / seg_gpu, 2),
+        "loop_ms": round(loop_eager, 3),
+        "segments_ms": round(seg_eager, 3),
+        "ratio_loop_over_segments": round(loop_eager / seg_eager, 2),
+        "launches": kernel_launches(segments_fn),
+        "launches_planned": segment_launches(10, True),
+        "loop_launches": kernel_launches(loop_fn),
+    }
+
+
 def bench_overlap(batch: int = 32, steps: int = 10, rounds: int = 5) -> dict:
     import statistics
     import time
@@ -199,12 +281,18 @@ def main() -> None:
     p.add_argument("--n", type=int, default=25_000_000)
     p.add_argument("--ratio", type=float, default=0.001)
     p.add_argument("--overlap", action="store_true")
+    p.add_argument("--segments", action="store_true", help="ResNet-50's shapes as one bucket")
     p.add_argument("--batch", type=int, default=32, help="--overlap: ResNet-50 batch")
     args = p.parse_args()
     if args.overlap:
         row = bench_overlap(args.batch)
         print_table([row], list(row))
         append_csv("dgc_overlap", [row])
+        return
+    if args.segments:
+        row = bench_segments(args.ratio)
+        print_table([row], list(row))
+        append_csv("dgc_segments", [row])
         return
     row = bench_select(args.n, args.ratio)
     print_table([row], list(row))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -126,6 +127,14 @@ def check_dgc_options(**options: Any) -> dict[str, Any]:
             le=None if open_high else high,
             op=op,
         )
+    if out["sample_ratio"] < 0.01:
+        # DGC's reference floors it so: fewer samples make the threshold estimate too noisy
+        warnings.warn(
+            f"dgc: sample_ratio {out['sample_ratio']} is raised to 0.01, DGC's floor",
+            UserWarning,
+            stacklevel=3,
+        )
+        out["sample_ratio"] = 0.01
     out["compress_upper_bound"] = check_float(
         "compress_upper_bound", options["compress_upper_bound"], gt=1, op=op
     )

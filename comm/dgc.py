@@ -1,26 +1,34 @@
 """Deep Gradient Compression (Lin et al., ICLR 2018) as a composable hook, and its optimizer.
 
-Per bucket, every gradient with ``dim > 1`` is compressed; the others go densely:
+Per bucket, every gradient with ``dim > 1`` is compressed; the others go densely. The work of
+one bucket is a fixed number of torch calls, whatever its number of tensors (the bucket's
+memory and tables are flat, in the bucket's layout; the layout and its tables are built once):
 
-* local clipping (``clip_grad_func``: ``"norm"``, ``"value"`` or a callable, per tensor);
-* momentum correction in the hook's memory: ``mmt = m*mmt + g`` (nesterov: ``mmt = (mmt+g)*m``)
-  and ``vec += mmt`` (nesterov: ``mmt + g``);
-* selection of a FIXED ``k = ceil(numel * ratio)`` entries of ``vec`` by ``aiak::dgc_select``
-  (sample, threshold, adapt, compact; padded with index -1): no host synchronisation;
-* momentum factor masking: ``vec[idx] = 0`` and (``momentum_masking``) ``mmt[idx] = 0``;
-* one allgather of the packed (values, indices) bytes of the whole bucket, one averaging
-  allreduce of its dense tensors (momentum applied locally: averaging is linear, so that is
-  SGD momentum of the mean gradient); the result is ``zeros.index_add(idx_all, vals_all)/P``.
+* local clipping (``clip_grad_func``): ``"norm"`` per tensor by one ``index_add_`` over segment
+  ids, ``"value"`` one clamp; a user's callable is called once per tensor;
+* momentum correction in the hook's flat memory: ``mmt = m*mmt + g`` (nesterov:
+  ``mmt = (mmt+g)*m``) and ``vec += mmt`` (nesterov: ``mmt + g``);
+* every compressed tensor's selection in ONE call of ``aiak::dgc_segments_select``: a FIXED
+  ``k = ceil(numel * ratio)`` entries per tensor by DGC's reference rules (docs/dgc.md:
+  sampling, threshold, adaptation, exact top-k on overshoot; padded with index -1), the
+  samples' random starts (or positions) drawn in one generator call: no host synchronisation;
+* momentum factor masking: ``vec[idx] = 0`` and (``momentum_masking``) ``mmt[idx] = 0``, one
+  ``index_fill_`` each;
+* one allgather of the packed (indices, values) bytes of the whole bucket, one averaging
+  allreduce of its dense tensors, gathered and scattered by one precomputed index (momentum
+  applied locally: averaging is linear, so that is SGD momentum of the mean gradient); the
+  result is ``zeros.index_add(idx_all, vals_all) / P``.
 
 The optimizer must be SGD that applies momentum only to weight decay: :class:`DGCSGD`
 (``DGCSGD.from_optimizer(torch.optim.SGD(...))``; its code is comm/_dgc_sgd.py). Memory is
-kept per parameter (by name when the hook is registered with :func:`aiak.comm.register`), in
-fp32, and pickles with the state.
+fp32, flat per bucket (comm/_dgc_bucket.py: the memory, its tables and the bucket's step),
+and pickles per parameter (by name when the hook is registered with
+:func:`aiak.comm.register`): ``state.mmt[key]`` / ``state.vec[key]``, ``n + 1`` elements for a
+compressed tensor (its last one a dump slot, 0) and ``n`` for a dense one (no ``vec``).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -30,26 +38,15 @@ from . import _collectives, _futures, _streams
 from ._base import CommHook, HookState, Setup
 from ._checks import check_dgc_options
 from ._collectives import Link
+from ._dgc_bucket import BucketMemory, signature
 from ._dgc_sgd import DGCSGD, require_sgd
-
-_SELECT: list[Any] = []  # aiak.ops's selection op, imported on first use (lean import)
-
-
-def _selector() -> Any:
-    if not _SELECT:
-        try:  # comm may use aiak.ops when it is installed (the selection kernel)
-            from aiak.ops.dgc_select import dgc_select
-        except ImportError:  # pragma: no cover - aiak.ops ships with aiak
-            dgc_select = None
-        _SELECT.append(dgc_select)
-    return _SELECT[0]
-
 
 __all__ = ["DGCSGD", "DGCState", "check_dgc_optimizer", "dgc", "link_dgc_optimizer"]
 
 
 class DGCState(HookState):
     __slots__ = (
+        "_mem",
         "awaits_optimizer",
         "clip_grad_func",
         "clip_grad_func_params",
@@ -82,8 +79,30 @@ class DGCState(HookState):
         # True for a hook built from AIAK_DGC=1: its momentum comes from the SGD optimizer
         # (link_dgc_optimizer); exchanging gradients before that would use a guessed momentum.
         self.awaits_optimizer = False
-        self.mmt: dict[str, torch.Tensor] = {}  # momentum per parameter (fp32, +1 dump slot)
-        self.vec: dict[str, torch.Tensor] = {}  # accumulated residual per parameter
+        # Per-parameter memory, the format that pickles: read by a bucket layout when it is
+        # built (its keys then leave these dicts), written back by __getstate__ and by a
+        # change of layout. momentum: fp32, +1 dump slot when compressed; vec: the residual.
+        self.mmt: dict[str, torch.Tensor] = {}
+        self.vec: dict[str, torch.Tensor] = {}
+        # run time: per bucket index, its flat memory and tables (comm/_dgc_bucket.py)
+        self._mem: dict[int, BucketMemory] | None = {}
+
+    def export_memory(self) -> None:
+        """Write every bucket's flat memory into ``mmt`` / ``vec`` and drop the buckets."""
+        sparse = self.ratio() < 1.0
+        for mem in (self._mem or {}).values():
+            mem.export(self.mmt, self.vec, sparse)
+        self._mem = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        d = super().__getstate__()
+        # the per-parameter format, without touching the live buckets
+        mmt, vec = dict(self.mmt), dict(self.vec)
+        sparse = self.ratio() < 1.0
+        for mem in (self._mem or {}).values():
+            mem.export(mmt, vec, sparse)
+        d["mmt"], d["vec"] = mmt, vec
+        return d
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch the warm-up schedule reads (call it at the start of every epoch)."""
@@ -102,47 +121,6 @@ class DGCState(HookState):
         return r
 
 
-def _clip(state: DGCState, g: torch.Tensor) -> None:
-    fn, params = state.clip_grad_func, state.clip_grad_func_params or {}
-    if fn is None:
-        return
-    if fn == "value":
-        v = float(params["clip_value"])
-        g.clamp_(-v, v)
-    elif fn == "norm":
-        max_norm = float(params["max_norm"])
-        norm = torch.linalg.vector_norm(g, float(params.get("norm_type", 2.0)))
-        # a device-side factor: no host sync for the comparison
-        g.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(g.dtype))
-    else:
-        fn(g, **params)
-
-
-def _select(
-    state: DGCState, v: torch.Tensor, k: int, gen: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    n = v.numel()
-    if k >= n:
-        return v.clone(), torch.arange(n, device=v.device)
-    m = min(n, max(1, math.ceil(n * state.sample_ratio)))
-    _dgc_select = _selector()
-    if _dgc_select is None:  # aiak.ops absent: exact top-k, the same fixed-k contract
-        idx = torch.topk(v.abs(), k, sorted=False).indices.sort().values
-        return v[idx], idx
-    if state.strided_sample:
-        stride = max(1, n // m)
-        start = int(torch.randint(0, stride, (1,), generator=gen))
-        return _dgc_select(
-            v, k, m, start, stride, None, state.compress_upper_bound,
-            state.compress_lower_bound, state.max_adaptation_iters, state.resample,
-        )  # fmt: skip
-    samples = torch.randint(0, n, (m,), generator=gen).to(v.device, non_blocking=True)
-    return _dgc_select(
-        v, k, m, 0, 1, samples, state.compress_upper_bound, state.compress_lower_bound,
-        state.max_adaptation_iters, state.resample,
-    )  # fmt: skip
-
-
 class _DGC(CommHook):
     __slots__ = ()
 
@@ -158,69 +136,31 @@ class _DGC(CommHook):
                 "for DGCSGD) or call aiak.comm.link_dgc_optimizer(hook, optimizer)"
             )
         buf = bucket.buffer()
-        length, base = buf.numel(), buf.storage_offset()
-        names = state._names or {}
+        length = buf.numel()
+        if state._mem is None:
+            state._mem = {}
+        sig = signature(buf, bucket.parameters())
+        mem = state._mem.get(bucket.index())
+        if mem is None or mem.sig != sig:
+            if mem is not None:  # a new layout: every bucket re-reads the per-key memory
+                state.export_memory()
+            mem = BucketMemory(sig, bucket, state._names or {}, state)
+            state._mem[bucket.index()] = mem
         world = link.size
-        ratio = state.ratio()
-        m = state.momentum
-        params = bucket.parameters()
-        dense: list[tuple[int, torch.Tensor]] = []
-        vals: list[torch.Tensor] = []
-        idxs: list[torch.Tensor] = []
         gen = torch.Generator().manual_seed(
             (state.seed * 1_000_003 + bucket.step) * 7919 + bucket.index()
         )
-        for i, g in enumerate(bucket.gradients()):
-            n = g.numel()
-            off = g.storage_offset() - base
-            flat = buf[off : off + n]  # the view's memory, in its layout (channels_last too)
-            _clip(state, flat)
-            p = params[i] if i < len(params) else None
-            key = names.get(p) if p is not None else None
-            key = key or f"{bucket.index()}.{i}.{n}"
-            sparse = g.dim() > 1 and ratio < 1.0
-            size = n + 1 if sparse else n  # sparse memory: one dump slot for padded indices
-            mmt = state.mmt.get(key)
-            if mmt is None or mmt.numel() != size or mmt.device != buf.device:
-                mmt = state.mmt[key] = torch.zeros(size, dtype=torch.float32, device=buf.device)
-                state.vec.pop(key, None)
-            body = mmt[:n]
-            if state.nesterov:
-                body.add_(flat).mul_(m)
-            else:
-                body.mul_(m).add_(flat)
-            if not sparse:
-                out = body + flat if state.nesterov else body
-                dense.append((off, out))
-                continue
-            vec = state.vec.get(key)
-            if vec is None:
-                vec = state.vec[key] = torch.zeros(size, dtype=torch.float32, device=buf.device)
-            vec[:n].add_(body)
-            if state.nesterov:
-                vec[:n].add_(flat)
-            k = min(n, max(1, math.ceil(n * ratio)))
-            v, idx = _select(state, vec[:n], k, gen)
-            dump = torch.where(idx < 0, n, idx)
-            vec.index_fill_(0, dump, 0.0)
-            if state.momentum_masking:
-                mmt.index_fill_(0, dump, 0.0)
-            vals.append(v)
-            idxs.append(torch.where(idx < 0, length, idx + off))  # bucket offsets; dump = end
-
+        plan, dense, idx, vals = mem.step(state, buf, state.ratio(), gen)
         futs = []
-        if dense:
-            dbuf = torch.cat([t.reshape(-1) for _, t in dense]).to(buf.dtype)
-            futs.append(_futures.real(_collectives.all_reduce_mean(dbuf, link, state.traffic)))
-        if vals:
+        if dense is not None:
+            futs.append(_futures.real(_collectives.all_reduce_mean(dense, link, state.traffic)))
+        if idx is not None:
             vdtype = torch.float16 if state.fp16_values else torch.float32
             idtype = torch.int32 if state.int32_indices else torch.int64
-            if state.int32_indices and length >= 2**31:
-                raise ValueError("dgc: int32_indices with a bucket of 2^31 elements or more")
-            vcat = torch.cat(vals).to(vdtype)
-            icat = torch.cat(idxs).to(idtype)
-            nvb = vcat.numel() * vcat.element_size()
-            payload = torch.cat([vcat.view(torch.uint8), icat.view(torch.uint8)])
+            # indices first: both views then start at a multiple of their element size
+            icat, vcat = idx.to(idtype), vals.to(vdtype)
+            nib = icat.numel() * icat.element_size()
+            payload = torch.cat([icat.view(torch.uint8), vcat.view(torch.uint8)])
             gathered = torch.empty(world * payload.numel(), dtype=torch.uint8, device=buf.device)
             futs.append(
                 _futures.real(_collectives.all_gather(gathered, payload, link, state.traffic))
@@ -229,22 +169,20 @@ class _DGC(CommHook):
         def decode(done: list[torch.futures.Future]) -> torch.Tensor:
             for f in done:
                 f.value()  # re-raises a failed collective
-            if vals:
+            if idx is not None:
                 _streams.keep(gathered)
                 rows = gathered.view(world, -1)
-                v_all = rows[:, :nvb].contiguous().view(vdtype).reshape(-1)
-                i_all = rows[:, nvb:].contiguous().view(idtype).reshape(-1).long()
+                i_all = rows[:, :nib].reshape(-1).view(idtype)
+                v_all = rows[:, nib:].reshape(-1).view(vdtype)
                 acc = torch.zeros(length + 1, dtype=torch.float32, device=buf.device)
                 acc.index_add_(0, i_all, v_all.float())
                 buf.copy_(acc[:length].div_(world))
-            else:
-                buf.zero_()
-            if dense:
-                _streams.keep(dbuf)
-                o = 0
-                for off, t in dense:
-                    buf[off : off + t.numel()].copy_(dbuf[o : o + t.numel()])
-                    o += t.numel()
+            if dense is not None:
+                _streams.keep(dense)
+                if plan.kind == "all":
+                    buf.copy_(dense)
+                else:
+                    buf.index_copy_(0, plan.dpos, dense.to(buf.dtype))
             return buf
 
         return _futures.after(torch.futures.collect_all(futs), decode, buf)

@@ -52,6 +52,12 @@ def test_bytes_match_the_formula(ranks):
         b = r["bytes_dgc"]
         # each bucket's allreduce rounds down separately: a few bytes of slack
         assert abs(b["intra"] + b["inter"] - expect) <= 8
+        # fp16_values: (fp16 value, int64 index) pairs, and the dense allreduce in fp16 too
+        half = (WORLD - 1) * 10 * f["sparse_pairs"] + 2 * (WORLD - 1) * 2 * f[
+            "dense_elems"
+        ] // WORLD
+        b16 = r["bytes_dgc_fp16"]
+        assert abs(b16["intra"] + b16["inter"] - half) <= 8
 
 
 def test_dense_momentum_and_dgcsgd_equal_torch_sgd(ranks):

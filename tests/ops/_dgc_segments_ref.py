@@ -1,0 +1,95 @@
+"""DGC's per-segment selection written in numpy from its description (docs/ops.md,
+``aiak::dgc_segments_select``), independent of the op's code: the plan in float64 Python
+arithmetic, thresholds scaled by numpy fp32 multiplies, counts and top-k by numpy sorts."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def plan_rows(lengths, starts, ratio, sample_ratio):
+    """[start, n, k, out_off, m, ks, stride, sample_off] per segment."""
+    rows, out_off, sample_off = [], 0, 0
+    sr = min(max(sample_ratio, 0.01), 1.0)
+    for n, start in zip(lengths, starts):
+        stride, m = 1, n
+        if sr < 1:
+            pct, cpr = math.ceil(n * sr), math.ceil(2 / ratio)
+            if n > cpr:
+                stride = math.ceil(n / max(pct, cpr) / 32) * 32 + 1
+                m = n // stride
+                while m < max(pct, cpr):
+                    stride -= 8
+                    m = n // stride
+        k = min(n, max(1, math.ceil(n * ratio)))
+        ks = max(1, math.ceil(m * ratio))
+        rows.append([start, n, k, out_off, m, ks, stride, sample_off])
+        out_off += k
+        sample_off += m
+    return rows
+
+
+def _times(thr: int, factor: float) -> int:
+    if thr > 0x7F800000:  # a NaN threshold keeps its bits
+        return thr
+    f = np.array([thr], dtype=np.int32).view(np.float32)
+    return int((f * np.float32(factor)).view(np.int32)[0])
+
+
+def select(x, rows, s0s, sample_indices, upper, lower, iters, resample):
+    """(values float64 [K], indices int64 [K]) for fp32 numpy ``x``."""
+    imp = (x.view(np.int32) & 0x7FFFFFFF).astype(np.int64)
+    total = sum(r[2] for r in rows)
+    values = np.zeros(total)
+    indices = np.full(total, -1, dtype=np.int64)
+    for r, s0 in zip(rows, s0s):
+        start, n, k, out_off, m, ks, stride, soff = r
+        seg = imp[start : start + n]
+        if m == n:
+            samples = seg
+        elif sample_indices is None:
+            samples = seg[s0::stride]
+        else:
+            samples = imp[sample_indices[soff : soff + m]]
+        thr = int(np.sort(samples)[::-1][ks - 1])
+        c = int((seg >= thr).sum())
+        exact = False
+        if m < n:
+            for _ in range(iters):
+                if c > k:
+                    if c > k * upper:
+                        if resample:
+                            exact = True
+                            break
+                        thr = _times(thr, upper)
+                    else:
+                        break
+                elif c < lower * k:
+                    thr = _times(thr, lower)
+                else:
+                    break
+                c = int((seg >= thr).sum())
+        if exact:
+            order = np.lexsort((np.arange(n), -seg))  # largest first, ties to the lowest index
+            sel = np.sort(order[:k])
+        else:
+            sel = np.nonzero(seg >= thr)[0][:k]
+        indices[out_off : out_off + sel.size] = sel + start
+        values[out_off : out_off + sel.size] = x[sel + start].astype(np.float64)
+    return values, indices
+
+
+def resnet50_numels():
+    """The numel of each of ResNet-50's 161 parameters, in torchvision's order."""
+    out = [64 * 3 * 7 * 7, 64, 64]
+    inplanes = 64
+    for planes, blocks in ((64, 3), (128, 4), (256, 6), (512, 3)):
+        for b in range(blocks):
+            out += [planes * inplanes, planes, planes, planes * planes * 9, planes, planes]
+            out += [4 * planes * planes, 4 * planes, 4 * planes]
+            if b == 0:
+                out += [4 * planes * inplanes, 4 * planes, 4 * planes]
+            inplanes = 4 * planes
+    return [*out, 1000 * 2048, 1000]
