@@ -228,6 +228,8 @@ def main() -> int:
         args.device, args.steps, args.warmup, args.csv, shrink = "cpu", 2, 2, False, 8
         args.ratio = max(args.ratio, 0.01)  # narrow tensors: keep more than one entry each
     device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     if device.type == "cuda":
         torch.cuda.set_device(device)
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
