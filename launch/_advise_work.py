@@ -88,7 +88,7 @@ def rates(torch: Any) -> dict[str, float]:
     }
 
 
-def copy_rate(torch: Any, nbytes: int = 2**26) -> float:
+def copy_rate(torch: Any, nbytes: int = 2**28) -> float:
     """Bytes per second a device-to-device copy moves on the current GPU (read + write: a copy
     of ``nbytes`` moves ``2 * nbytes``), timed with CUDA events, best of five. The rate that
     turns the bytes a change saves into time: the ops it acts on (casts, fp32 elementwise ops,
