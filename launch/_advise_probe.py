@@ -95,6 +95,7 @@ class _Probe:
         self.opt_samples = [0, 0]  # the same at the optimizer's start (after any sync)
         # the GPU's clock (CUDA): events at the phase boundaries of the measured steps
         self.new_event: Any = None  # () -> a timing CUDA event, once the model is on CUDA
+        self.event_pool: list[Any] = []
         self.gpu_cur: list[tuple[str, Any, Any]] = []  # (phase, start, end) of this step
         self.gpu_prev_end: Any = None  # the previous step's end event
         self.gpu_pending: list[tuple[dict[str, Any], list[Any], Any, Any]] = []
@@ -142,21 +143,23 @@ class _Probe:
 
     # -- the GPU's clock ----------------------------------------------------------------------
 
-    def gpu_mark(self) -> Any:
-        """An event recorded on the current stream now (measured steps on CUDA), else None."""
-        if self.new_event is None or self.step < self.warmup:
-            return None
-        ev = self.new_event()
+    def event(self) -> Any:
+        """A timing event recorded on the current stream now; read events are used again."""
+        ev = self.event_pool.pop() if self.event_pool else self.new_event()
         ev.record()
         return ev
+
+    def gpu_mark(self) -> Any:
+        """An event recorded now (measured steps on CUDA), else None."""
+        if self.new_event is None or self.step < self.warmup:
+            return None
+        return self.event()
 
     def gpu_phase(self, phase: str, start: Any) -> None:
         """``phase`` ran from ``start`` to now, on the GPU's clock."""
         if start is None:
             return
-        end = self.new_event()
-        end.record()
-        self.gpu_cur.append((phase, start, end))
+        self.gpu_cur.append((phase, start, self.event()))
 
     def read_gpu(self, block: bool) -> None:
         """Turn the events of finished steps into each record's ``gpu`` phases; without
@@ -172,6 +175,9 @@ class _Probe:
                 gpu[phase] += a.elapsed_time(b) / 1e3
             gpu["step"] = start.elapsed_time(end) / 1e3
             rec["gpu"] = gpu
+            # this step's events and its start (the previous step's end) are free again
+            self.event_pool.extend({id(e): e for _, a, b in phases for e in (a, b)}.values())
+            self.event_pool.append(start)
 
     # -- data ---------------------------------------------------------------------------------
 
@@ -204,8 +210,7 @@ class _Probe:
         if epoch_start:
             self.cur["data_epoch_start"] += seconds
         if gpu_start is not None:
-            end = self.new_event()
-            end.record()
+            end = self.event()
             self.gpu_cur.append(("data", gpu_start, end))
             if epoch_start:
                 self.gpu_cur.append(("data_epoch_start", gpu_start, end))
@@ -336,8 +341,7 @@ class _Probe:
         if self.step > self.warmup:
             self.records.append(rec)
         if self.new_event is not None and self.step >= self.warmup:
-            end = self.new_event()
-            end.record()
+            end = self.event()
             if self.step > self.warmup:
                 self.gpu_pending.append((rec, self.gpu_cur, self.gpu_prev_end, end))
             self.gpu_prev_end = end
@@ -412,13 +416,17 @@ class _Probe:
     def apply_trials(self, module: Any) -> None:
         """At the first top-level forward: apply each trial's code line to this module (the
         model) and its optimizer, as the user would before the loop."""
-        if "swin-convert" in self.trials and "swin-convert" not in self.trials_done:
+        # a module without the model's optimizer (a transform called first) is not the model:
+        # the next top-level forward of the first step tries again
+        if "swin-convert" in self.trials and self.trials_done.get("swin-convert") != "applied":
             from aiak.ops import swin
 
             if _window_attention_modules([module])[0]:
                 swin.convert(module)
                 self.trials_done["swin-convert"] = "applied"
-        if "o2" in self.trials and "o2" not in self.trials_done:
+            else:
+                self.trials_done["swin-convert"] = "not applied: no window attention found"
+        if "o2" in self.trials and self.trials_done.get("o2") != "applied":
             self.trials_done["o2"] = self.decorate(module)
         self.facts["trials"] = dict(self.trials_done)
 
@@ -483,8 +491,11 @@ class _Probe:
         if self.counter is not None:
             self.stop_counting()
         if self.gpu_pending:
-            self.torch.cuda.synchronize()  # once, at the end: the last steps' events
-            self.read_gpu(block=True)
+            try:
+                self.torch.cuda.synchronize()  # once, at the end: the last steps' events
+                self.read_gpu(block=True)
+            except RuntimeError:  # a CUDA error at exit: those steps keep the host's clock
+                self.gpu_pending.clear()
         dist = self.torch.distributed
         distributed = dist.is_available() and dist.is_initialized()
         # every rank is here (they end at the same step): the link can be timed together
