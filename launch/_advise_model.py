@@ -19,14 +19,14 @@ PHASES = ("data", "compute", "comm", "optimizer", "other")
 MIN_GAIN = 0.02
 # A phase is host-bound when at least this share of its time is the host's, not its work.
 HOST_BOUND = 0.5
-# Window attention, eager (timm's maths: matmul, + bias, + mask, softmax, cast, matmul),
-# forward + backward: copy-equivalent bytes per element of its score matrix (windows x heads
-# x N x N). benchmarks/results/window_attention.csv, H100, batch 64, Swin-T's four stages:
-# 237-1795 us at a 3.0 TB/s copy rate for 3.7M-29.5M score elements, 183-194 bytes each.
-EAGER_WINDOW_BYTES_PER_SCORE = 190.0
-# aiak::window_attention against that eager maths, forward + backward, the same rows: x3.08
-# (stage 4) to x3.99 (stage 1); the smallest is used.
-WINDOW_ATTENTION_SPEEDUP = 3.08
+# Window attention's core, forward + backward, in copy-equivalent bytes per element of its
+# score matrix (windows x heads x N x N), and aiak::window_attention's speed-up against it;
+# benchmarks/results/window_attention.csv, H100, batch 64, Swin-T's four stages (3.7M-29.5M
+# score elements, a 3.0 TB/s copy rate). timm's eager maths (matmul, + bias, + mask, softmax,
+# cast, matmul): 237-1795 us, 183-194 bytes each; aiak's op x3.08 (stage 4) to x3.99 faster.
+# timm's fused_attn path (SDPA with the bias + mask materialised): 175-1231 us, 125-143
+# bytes; aiak's op x2.28 (stage 4) to x2.74. The smallest speed-up of each is used.
+WINDOW_CORES = {"eager": (190.0, 3.08), "sdpa": (135.0, 2.28)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -574,19 +574,24 @@ def _window_attention(b: Breakdown) -> Advice | None:
     scores = int(wa.get("scores", 0))
     copy = float(b.facts.get("rates", {}).get("copy_Bps", 0.0))
     busy = 1.0 - (b.gpu_idle or 0.0)
+    n = int(wa["modules"])
+    sdpa = min(n, int(wa.get("sdpa", 0))) / n  # the share of modules on timm's SDPA path
+    (eb, ex), (sb, sx) = WINDOW_CORES["eager"], WINDOW_CORES["sdpa"]
+    core = (1 - sdpa) * eb + sdpa * sb  # bytes per score element, as the modules run it
+    saved = (1 - sdpa) * eb * (1 - 1 / ex) + sdpa * sb * (1 - 1 / sx)
+    how = "eager ops" if sdpa == 0 else "SDPA, bias + mask materialised" if sdpa == 1 else "both"
     gain = None
     why = (
-        f"{wa['modules']} timm-style window-attention module(s) run the attention core as "
-        f"eager ops over {scores / 1e6:.0f}M score elements per step; "
-        f"aiak::window_attention ran that core x{WINDOW_ATTENTION_SPEEDUP} to x3.99 faster "
-        "(forward + backward, H100, benchmarks/results/window_attention.csv)"
+        f"{n} timm-style window-attention module(s) run the attention core ({how}) over "
+        f"{scores / 1e6:.0f}M score elements per step; aiak::window_attention ran that core "
+        f"x{ex} (eager) / x{sx} (SDPA) faster or more (forward + backward, H100, "
+        "benchmarks/results/window_attention.csv)"
     )
     if scores > 0 and copy > 0:
-        eager = scores * EAGER_WINDOW_BYTES_PER_SCORE / copy
-        gain = min(b.compute, eager * (1 - 1 / WINDOW_ATTENTION_SPEEDUP) * busy)
+        gain = min(b.compute, scores * saved / copy * busy)
         why += (
-            f": eager, {EAGER_WINDOW_BYTES_PER_SCORE:.0f} copy-equivalent bytes per score "
-            f"element, {_ms(eager)} at the measured copy rate"
+            f": {core:.0f} copy-equivalent bytes per score element, "
+            f"{_ms(scores * core / copy)} at the measured copy rate"
         )
     else:
         why += "; gain not estimated: " + (

@@ -252,6 +252,8 @@ class _Probe:
         if todo or fused or dropout:
             self.facts["window_attention"] = {
                 "modules": len(todo),
+                # timm's fused_attn: the core is SDPA with the bias + mask materialised
+                "sdpa": sum(bool(getattr(m, "fused_attn", False)) for m in todo),
                 "fused": fused,
                 "dropout": dropout,
                 "scores": 0,

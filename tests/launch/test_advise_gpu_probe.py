@@ -214,7 +214,7 @@ def test_window_attention_is_found_and_its_scores_counted(installed, tmp_path):
     with pytest.raises(_Stopped):
         _train(model, 100, shape=(3, 32, 32), out=3)
     wa = json.loads((tmp_path / "rank0.json").read_text())["facts"]["window_attention"]
-    assert wa["modules"] == 2 and wa["fused"] == 0 and wa["dropout"] == 0
+    assert wa["modules"] == 2 and wa["fused"] == 0 and wa["dropout"] == 0 and wa["sdpa"] == 0
     # batch 4, 8x8 map in 4x4 windows: 16 windows of N = 16, 2 heads, two blocks
     assert wa["scores"] == 2 * (4 * 4) * 2 * 16**2
 
@@ -246,7 +246,8 @@ def test_swin_convert_trial_fuses_the_window_attention(installed, tmp_path):
         _train(model, 100, shape=(3, 32, 32), out=3)
     facts = json.loads((tmp_path / "rank0.json").read_text())["facts"]
     assert facts["trials"] == {"swin-convert": "applied"}
-    assert facts["window_attention"] == {"modules": 0, "fused": 2, "dropout": 0, "scores": 0}
+    wa = {"modules": 0, "sdpa": 0, "fused": 2, "dropout": 0, "scores": 0}
+    assert facts["window_attention"] == wa
 
 
 def test_o2_trial_says_why_when_no_optimizer_holds_the_model(installed):
