@@ -447,7 +447,10 @@ class _Probe:
                     dtype = torch.get_autocast_dtype("cuda")
                 elif torch.is_autocast_enabled("cpu"):
                     dtype = torch.get_autocast_dtype("cpu")
-                aiak.amp.decorate(module, opt, dtype=dtype)
+                try:
+                    aiak.amp.decorate(module, opt, dtype=dtype)
+                except (RuntimeError, TypeError, ValueError) as e:  # decorate's own refusals
+                    return f"not applied: {e}"
                 return "applied"
         return "not applied: no optimizer holds this model's parameters at its first forward"
 
@@ -583,8 +586,8 @@ def _optimizer_facts(opt: Any) -> dict[str, Any]:
         "aiak_o2": getattr(opt, "_aiak_amp", None) is not None,
         # GradScaler hands the inf check to such an optimizer: no .item() before its step
         "amp_scaling": bool(getattr(opt, "_step_supports_amp_scaling", False)),
-        "momentum": float(group.get("momentum", 0.0) or 0.0),
-        "weight_decay": float(group.get("weight_decay", 0.0) or 0.0),
+        "momentum": _number(group.get("momentum")),
+        "weight_decay": _number(group.get("weight_decay")),
         "nesterov": bool(group.get("nesterov", False)),
         "type": type(opt).__name__,
         "module": type(opt).__module__,
@@ -597,6 +600,14 @@ def _optimizer_facts(opt: Any) -> dict[str, Any]:
         "shapes": [list(p.shape) for p in params][:4096],
         "device": str(params[0].device.type) if params else "cpu",
     }
+
+
+def _number(value: Any) -> float:
+    """A hyper-parameter as a float (0.0 when absent or not a number: a custom optimizer)."""
+    try:
+        return float(value or 0.0)
+    except (TypeError, ValueError, RuntimeError):
+        return 0.0
 
 
 def _stepped_by_grad_scaler() -> bool:

@@ -255,3 +255,12 @@ def test_o2_trial_says_why_when_no_optimizer_holds_the_model(installed):
     lonely = nn.Linear(2, 2)
     assert probe.decorate(lonely).startswith("not applied: no optimizer holds")
     assert lonely.weight.dtype == torch.float32
+
+
+def test_o2_trial_on_a_model_already_decorated_says_so_and_does_not_raise(installed):
+    probe = installed("o2")
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    aiak.amp.decorate(model, opt, dtype=torch.bfloat16)
+    assert probe.decorate(model).startswith("not applied: ")
+    assert model.weight.dtype == torch.bfloat16
