@@ -584,7 +584,7 @@ def _window_attention(b: Breakdown) -> Advice | None:
     why = (
         f"{n} timm-style window-attention module(s) run the attention core ({how}) over "
         f"{scores / 1e6:.0f}M score elements per step; aiak::window_attention ran that core "
-        f"x{ex} (eager) / x{sx} (SDPA) faster or more (forward + backward, H100, "
+        f"at least x{ex} (eager core) / x{sx} (SDPA core) faster, forward + backward (H100, "
         "benchmarks/results/window_attention.csv)"
     )
     if scores > 0 and copy > 0:

@@ -14,10 +14,13 @@ aiak's own activation) and then installs the probe. The probe times, per optimiz
 - optimizer: time in ``step()`` (torch's global optimizer step hooks); a step ends when the
   first optimizer seen finishes its ``step()``.
 
-One warm-up step runs under a dispatch mode that counts the ops of each phase; the host cost of
+One warm-up step runs under a dispatch mode that counts the ops of each phase (and the casts
+and fp32 elements O2 would change, and window attention's score elements); the host cost of
 an op with no work is calibrated at the end, so ``ops x cost`` is the host's share of a phase.
 With CUDA, the compute stream is sampled at each phase boundary: an empty queue while Python
-runs is the GPU waiting for the host. After ``AIAK_ADVISE_WARMUP`` + ``AIAK_ADVISE_STEPS``
+runs is the GPU waiting for the host. With CUDA each measured step also records an event at
+each phase boundary, read once the GPU has passed it: the phases on the GPU's clock, where a
+host blocked in a sync (``.item()``) does not move the GPU's work into the loop's "other". After ``AIAK_ADVISE_WARMUP`` + ``AIAK_ADVISE_STEPS``
 steps (or ``AIAK_ADVISE_SECONDS``), each rank writes ``rank<R>.json`` to ``AIAK_ADVISE_DIR``,
 stops its data-loader workers and exits with status 0; a script that ends first writes what it
 has at exit. DDP models with no comm hook get torch's ``allreduce_hook`` (wrapped by the timer)
@@ -25,7 +28,9 @@ at their first forward: the buckets are then visible to the probe.
 
 ``AIAK_ADVISE_TRY=cross-epoch-loader`` (``aiak-advise --verify`` only) serves each
 ``DataLoader`` with workers through ``aiak.data.CrossEpochLoader``: the object the recommended
-code line builds, applied here so the trial needs no change to the user's files.
+code line builds, applied here so the trial needs no change to the user's files. ``o2`` and
+``swin-convert`` apply ``aiak.amp.decorate(model, optimizer)`` (with ``aiak.amp.install()``) and
+``aiak.ops.swin.convert(model)`` at the model's first forward.
 """
 
 from __future__ import annotations
