@@ -20,8 +20,9 @@ an op with no work is calibrated at the end, so ``ops x cost`` is the host's sha
 With CUDA, the compute stream is sampled at each phase boundary: an empty queue while Python
 runs is the GPU waiting for the host. With CUDA each measured step also records an event at
 each phase boundary, read once the GPU has passed it: the phases on the GPU's clock, where a
-host blocked in a sync (``.item()``) does not move the GPU's work into the loop's "other". After ``AIAK_ADVISE_WARMUP`` + ``AIAK_ADVISE_STEPS``
-steps (or ``AIAK_ADVISE_SECONDS``), each rank writes ``rank<R>.json`` to ``AIAK_ADVISE_DIR``,
+host blocked in a sync (``.item()``) does not move the GPU's work into the loop's "other".
+After ``AIAK_ADVISE_WARMUP`` + ``AIAK_ADVISE_STEPS`` steps (or ``AIAK_ADVISE_SECONDS``), each
+rank writes ``rank<R>.json`` to ``AIAK_ADVISE_DIR``,
 stops its data-loader workers and exits with status 0; a script that ends first writes what it
 has at exit. DDP models with no comm hook get torch's ``allreduce_hook`` (wrapped by the timer)
 at their first forward: the buckets are then visible to the probe.
