@@ -370,7 +370,9 @@ def _fused_on_gpu(b: Breakdown, opt: Mapping[str, Any], n: int, groups: int) -> 
     copy = float(b.facts.get("rates", {}).get("copy_Bps", 0.0))
     saved_bytes = (torch_passes - fused_passes) * 4 * int(opt.get("parameters", 0))
     work = saved_bytes / copy if copy > 0 else 0.0
-    q = b.facts.get("opt_queue_empty") or 0.0
+    # how much of the optimizer's host time the GPU waits for: the steps that found the queue
+    # empty at its start, or the GPU's idle share when larger (a host-bound step waits anywhere)
+    q = max(b.facts.get("opt_queue_empty") or 0.0, b.gpu_idle or 0.0)
     scaler = bool(opt.get("grad_scaler")) and not opt.get("amp_scaling")
     if scaler:
         # GradScaler.step reads found_inf on the host before torch's step; the fused twin

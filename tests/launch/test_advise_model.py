@@ -417,6 +417,21 @@ def test_fused_optimizer_on_cuda_without_a_scaler_waits_only_for_the_ops_host_co
     assert "fused optimizer" not in [a.feature for a in model.advise(b)]
 
 
+def test_fused_optimizer_on_a_host_bound_gpu_counts_the_ops_host_cost_where_the_gpu_idles():
+    # Adam's per-tensor loop over 400 small tensors: the GPU idles at 80% of the boundaries
+    # though the queue was never seen empty at the optimizer's start
+    opt = {"type": "Adam", "tensors": 400, "parameters": 6400, "foreach": False}
+    host = _record(forward=1, backward=2, optimizer=40, step=45)
+    gpu = {"forward": 1.5, "backward": 2.5, "optimizer": 40.0, "step": 45.0}
+    r = _cuda([host] * 10, gpu, opt_empty=0, **opt)
+    r.update(stream_empty=80, ops={"optimizer": 4000})
+    b = model.breakdown([r])
+    fused = next(a for a in model.advise(b) if a.feature == "fused optimizer")
+    work = (18 - 7) * 4 * 6400 / 2.5e12
+    # 4000 ops x 5 us = 20 ms of host cost, x 0.8 exposed, one group of 400 keeps 1/400
+    assert fused.gain_s == pytest.approx(work + 20 * MS * 0.8 * (1 - 1 / 400))
+
+
 @pytest.mark.parametrize("opt", [{"fused": True}, {"type": "RMSprop"}])
 def test_no_fused_optimizer_on_cuda_without_a_twin(opt):
     o = {**_SGD, **opt}
