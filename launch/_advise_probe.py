@@ -392,12 +392,9 @@ class _Probe:
         self.amp = {k: [0, 0, 0] for k in self.ops}
         opt = self.primary_ref() if self.primary_ref is not None else None
         if opt is not None:
-            self.weights = {
-                p.data_ptr()
-                for g in opt.param_groups
-                for p in g["params"]
-                if p.dtype == self.torch.float32
-            }
+            params = [p for g in opt.param_groups for p in g["params"]]
+            ptrs = {_advise_work.storage_ptr(p) for p in params if p.dtype == self.torch.float32}
+            self.weights = {x for x in ptrs if x is not None}
         self.attn_scores = 0
         for m in _window_attention_modules(self.roots.values())[0]:
             self.attn_hooks.append(m.register_forward_pre_hook(self.count_scores))

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Collection
 from typing import Any
 
-__all__ = ["copy_rate", "counting", "link", "op_cost", "precision", "rates", "work"]
+__all__ = ["copy_rate", "counting", "link", "op_cost", "precision", "rates", "storage_ptr", "work"]
 
 
 def counting(on_op: Callable[[Any, Any, Any], None]) -> Any:
@@ -50,7 +50,7 @@ def work(func: Any, args: Any, out: Any) -> tuple[int, int]:
 
 def precision(func: Any, args: Any, out: Any, weights: Collection[int]) -> tuple[int, int, int]:
     """What O2 would change in one op: (elements it casts from one float dtype to another,
-    of those the fp32 weights cast to half (``weights``: their ``data_ptr()``), fp32 elements
+    of those the fp32 weights cast to half (``weights``: their ``datastorage_ptr()``), fp32 elements
     written by an op that is not a cast). Autocast's casts reach the dispatcher as
     ``_to_copy``; its fp32-list ops (layer_norm, softmax, ...) write fp32 outputs."""
     import torch
@@ -60,11 +60,19 @@ def precision(func: Any, args: Any, out: Any, weights: Collection[int]) -> tuple
     first = args[0] if args else None
     if name == "_to_copy" and isinstance(first, torch.Tensor) and isinstance(out, torch.Tensor):
         if first.is_floating_point() and out.is_floating_point() and first.dtype != out.dtype:
-            weight = first.dtype == torch.float32 and first.data_ptr() in weights
+            weight = first.dtype == torch.float32 and storage_ptr(first) in weights
             return out.numel(), out.numel() if weight else 0, 0
         return 0, 0, 0
     fp32 = sum(t.numel() for t in outs if isinstance(t, torch.Tensor) and t.dtype == torch.float32)
     return 0, 0, fp32
+
+
+def storage_ptr(t: Any) -> int | None:
+    """A tensor's storage address; None for one that has none (a meta or wrapper tensor)."""
+    try:
+        return int(t.datastorage_ptr())
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def rates(torch: Any) -> dict[str, float]:
