@@ -50,7 +50,7 @@ def work(func: Any, args: Any, out: Any) -> tuple[int, int]:
 
 def precision(func: Any, args: Any, out: Any, weights: Collection[int]) -> tuple[int, int, int]:
     """What O2 would change in one op: (elements it casts from one float dtype to another,
-    of those the fp32 weights cast to half (``weights``: their ``datastorage_ptr()``), fp32 elements
+    of those the fp32 weights cast to half (``weights``: their ``data_ptr()``), fp32 elements
     written by an op that is not a cast). Autocast's casts reach the dispatcher as
     ``_to_copy``; its fp32-list ops (layer_norm, softmax, ...) write fp32 outputs."""
     import torch
@@ -70,7 +70,7 @@ def precision(func: Any, args: Any, out: Any, weights: Collection[int]) -> tuple
 def storage_ptr(t: Any) -> int | None:
     """A tensor's storage address; None for one that has none (a meta or wrapper tensor)."""
     try:
-        return int(t.datastorage_ptr())
+        return int(t.data_ptr())
     except (RuntimeError, NotImplementedError):
         return None
 
