@@ -136,7 +136,12 @@ def test_gpu_clock_gives_each_measured_step_its_phases_from_events(
         # the stand-in events keep the host's clock: each GPU interval is inside its host phase
         for phase in ("data", "forward", "backward", "optimizer"):
             assert 0 < gpu[phase] <= rec[phase] + 1e-3
-        assert gpu["step"] == pytest.approx(rec["step"], abs=2e-3)
+        # the phases lie inside the step's span, one after another
+        phases = ("data", "forward", "backward", "optimizer")
+        assert sum(gpu[p] for p in phases) <= gpu["step"] + 1e-9
+        # the step spans from the previous step's end to this one's, as the host's step does
+        # (a few Python lines apart; generous for a loaded machine)
+        assert gpu["step"] == pytest.approx(rec["step"], abs=0.05)
     # one epoch start in three steps: its first batch is also the epoch-start interval
     assert any(r["gpu"]["data_epoch_start"] > 0 for r in doc["records"])
     # events only in the measured steps: start + end per phase (data, forward, backward,
