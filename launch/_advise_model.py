@@ -19,6 +19,14 @@ PHASES = ("data", "compute", "comm", "optimizer", "other")
 MIN_GAIN = 0.02
 # A phase is host-bound when at least this share of its time is the host's, not its work.
 HOST_BOUND = 0.5
+# Window attention's core, forward + backward, in copy-equivalent bytes per element of its
+# score matrix (windows x heads x N x N), and aiak::window_attention's speed-up against it;
+# benchmarks/results/window_attention.csv, H100, batch 64, Swin-T's four stages (3.7M-29.5M
+# score elements, a 3.0 TB/s copy rate). timm's eager maths (matmul, + bias, + mask, softmax,
+# cast, matmul): 237-1795 us, 183-194 bytes each; aiak's op x3.08 (stage 4) to x3.99 faster.
+# timm's fused_attn path (SDPA with the bias + mask materialised): 175-1231 us, 125-143
+# bytes; aiak's op x2.28 (stage 4) to x2.74. The smallest speed-up of each is used.
+WINDOW_CORES = {"eager": (190.0, 3.08), "sdpa": (135.0, 2.28)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +45,10 @@ class Breakdown:
     facts: Mapping[str, Any]
     ranks: int
     steps: int
+    # "gpu": data, forward, backward and optimizer are intervals between CUDA events recorded
+    # at their boundaries (the GPU's clock); "host": host time (the CPU, or CUDA without events)
+    clock: str = "host"
+    host_s: Mapping[str, float] = dataclasses.field(default_factory=dict)  # host times
 
     @property
     def compute(self) -> float:
@@ -45,7 +57,9 @@ class Breakdown:
 
     @property
     def other(self) -> float:
-        """The loop's own code between the phases (zero_grad, logging, ``.item()``)."""
+        """The loop's own code between the phases (zero_grad, logging, ``.item()``); on the
+        GPU's clock, the GPU's work queued by that code and its wait for that code's host
+        time, while a host blocked in ``.item()`` counts where the GPU is busy."""
         used = self.data + self.forward + self.backward + self.optimizer
         return max(0.0, self.step - used)
 
@@ -80,6 +94,7 @@ class Breakdown:
         d.update(backward=self.backward, comm=self.comm, optimizer=self.optimizer)
         d.update(compute=self.compute, other=self.other, host=dict(self.host))
         d.update(gpu_idle=self.gpu_idle, ranks=self.ranks, steps=self.steps)
+        d.update(clock=self.clock, host_s=dict(self.host_s))
         d["shares"] = {p: round(self.share(p), 4) for p in PHASES}
         d["bottleneck"] = self.bottleneck()
         return d
@@ -136,8 +151,15 @@ def breakdown(reports: Sequence[Mapping[str, Any]]) -> Breakdown:
             f"reports: no measured step: the script finished {seen} optimizer step(s), the "
             f"warm-up is {warm}; a step is one optimizer.step() call"
         )
-    per_rank = [_typical(r["records"]) for r in used]
-    mean = {k: statistics.fmean(p[k] for p in per_rank) for k in _KEYS}
+    host_rank = [_typical(r["records"]) for r in used]
+    hmean = {k: statistics.fmean(p[k] for p in host_rank) for k in _KEYS}
+    # CUDA: every measured step has its phases on the GPU's clock (events the probe read)
+    gpu_clock = all("gpu" in rec for r in used for rec in r["records"])
+    if gpu_clock:
+        per_rank = [_typical([_on_gpu_clock(rec) for rec in r["records"]]) for r in used]
+        mean = {k: statistics.fmean(p[k] for p in per_rank) for k in _KEYS}
+    else:
+        mean = hmean
     r0 = min(used, key=lambda r: r.get("rank", 0))
     cost = float(r0.get("op_cost_s", 0.0))
     ops = r0.get("ops", {})
@@ -145,7 +167,7 @@ def breakdown(reports: Sequence[Mapping[str, Any]]) -> Breakdown:
     rates = r0.get("rates", {})
     host = {
         # the optimizer: its ops' fixed host cost (what a multi-tensor update saves)
-        "optimizer": _share(ops.get("optimizer", 0) * cost, mean["optimizer"]),
+        "optimizer": _share(ops.get("optimizer", 0) * cost, hmean["optimizer"]),
         # forward + backward: what their work (elements written, multiply-adds at this
         # machine's rates) does not explain is the host's
         "compute": 1.0
@@ -155,7 +177,7 @@ def breakdown(reports: Sequence[Mapping[str, Any]]) -> Breakdown:
                 + work.get(p, (0, 0))[1] * rates.get("mac_s", 0.0)
                 for p in ("forward", "backward")
             ),
-            mean["forward"] + mean["backward"] - min(mean["comm"], mean["backward"]),
+            hmean["forward"] + hmean["backward"] - min(hmean["comm"], hmean["backward"]),
         ),
     }
     samples = sum(int(r.get("stream_samples", 0)) for r in used)
@@ -165,6 +187,8 @@ def breakdown(reports: Sequence[Mapping[str, Any]]) -> Breakdown:
         # the CPU's rates say nothing of GPU work: the GPU's empty queue is the host's share
         host["compute"] = gpu_idle or 0.0
     facts = dict(r0.get("facts", {}))
+    opt_n = sum(int(r.get("opt_samples", 0)) for r in used)
+    opt_empty = sum(int(r.get("opt_empty", 0)) for r in used)
     facts.update(
         world=int(r0.get("world", 1)),
         local_world=int(r0.get("local_world", 1)),
@@ -172,6 +196,10 @@ def breakdown(reports: Sequence[Mapping[str, Any]]) -> Breakdown:
         cuda=bool(r0.get("cuda", False)),
         op_cost_s=cost,
         ops=dict(ops),
+        rates=dict(rates),
+        amp={k: list(v) for k, v in r0.get("amp", {}).items()},
+        # share of steps whose GPU queue was empty when the optimizer started
+        opt_queue_empty=(opt_empty / opt_n) if opt_n and r0.get("cuda") else None,
     )
     return Breakdown(
         step=mean["step"],
@@ -186,7 +214,21 @@ def breakdown(reports: Sequence[Mapping[str, Any]]) -> Breakdown:
         facts=facts,
         ranks=len(used),
         steps=min(len(r["records"]) for r in used),
+        clock="gpu" if gpu_clock else "host",
+        host_s={k: hmean[k] for k in ("data", "forward", "backward", "comm", "optimizer")},
     )
+
+
+def _on_gpu_clock(rec: Mapping[str, Any]) -> dict[str, float]:
+    """A step's phases on the GPU's clock; the step itself stays the host's (they agree over
+    several steps: the GPU finishes one step per step). The exposed comm stays the host's,
+    bounded by the backward's GPU interval, which waits for it."""
+    g = rec["gpu"]
+    out = {k: float(g.get(k, 0.0)) for k in ("data", "data_epoch_start", "forward", "backward")}
+    out["optimizer"] = float(g.get("optimizer", 0.0))
+    out["step"] = float(rec.get("step", 0.0))
+    out["comm"] = min(float(rec.get("comm", 0.0)), out["backward"])
+    return out
 
 
 def _share(part: float, whole: float) -> float:
@@ -280,6 +322,8 @@ def _optimizer(b: Breakdown, on: Mapping[str, str]) -> list[Advice]:
         return []
     if on.get("AIAK_FUSED_OPTIMIZER") == "1" or on.get("AIAK_DGC") == "1":
         return []
+    if b.facts.get("cuda"):
+        return [_fused_on_gpu(b, opt, n, groups)]
     host = b.host.get("optimizer", 0.0) * b.optimizer
     gain = host * (1 - groups / n)
     return [
@@ -296,6 +340,69 @@ def _optimizer(b: Breakdown, on: Mapping[str, str]) -> list[Advice]:
             flags=("--fuse-optimizer",),
         )
     ]
+
+
+def optimizer_passes(opt: Mapping[str, Any]) -> tuple[int, int]:
+    """(torch's, the fused twin's) fp32 element reads + writes per parameter element per step.
+
+    torch's multi-tensor (and for-loop) SGD: weight decay ``g + wd*p`` 3, momentum
+    ``buf*m + g`` 2 + 3, nesterov ``g + m*buf`` 3, the update ``p - lr*d`` 3; Adam/AdamW:
+    decay 3 (Adam, into the grad) or 2 (AdamW, ``p *= 1 - lr*wd``), ``lerp`` of exp_avg 3,
+    exp_avg_sq ``*b2`` 2 and ``addcmul`` 3, ``sqrt``, ``/ bc2``, ``+ eps`` 2 each, ``addcdiv``
+    4. The fused twin reads each tensor once and writes each it updates once: SGD p, g (buf) in,
+    p (buf) out; Adam p, g, m, v in, p, m, v out."""
+    wd = float(opt.get("weight_decay", 0.0)) > 0
+    if opt.get("type") == "SGD":
+        momentum = float(opt.get("momentum", 0.0)) > 0
+        nesterov = momentum and bool(opt.get("nesterov", False))
+        torch_passes = 3 + 5 * momentum + 3 * wd + 3 * nesterov
+        return torch_passes, 3 + 2 * momentum
+    decay = (2 if opt.get("type") == "AdamW" else 3) if wd else 0
+    return 18 + decay, 7
+
+
+def _fused_on_gpu(b: Breakdown, opt: Mapping[str, Any], n: int, groups: int) -> Advice:
+    """The fused optimizer on CUDA: the GPU work of torch's extra passes over the state, and
+    the GPU's wait for the optimizer's host code after a sync at its start."""
+    name = opt.get("type", "")
+    host_opt = float(b.host_s.get("optimizer", b.optimizer))
+    torch_passes, fused_passes = optimizer_passes(opt)
+    copy = float(b.facts.get("rates", {}).get("copy_Bps", 0.0))
+    saved_bytes = (torch_passes - fused_passes) * 4 * int(opt.get("parameters", 0))
+    work = saved_bytes / copy if copy > 0 else 0.0
+    # how much of the optimizer's host time the GPU waits for: the steps that found the queue
+    # empty at its start, or the GPU's idle share when larger (a host-bound step waits anywhere)
+    q = max(b.facts.get("opt_queue_empty") or 0.0, b.gpu_idle or 0.0)
+    scaler = bool(opt.get("grad_scaler")) and not opt.get("amp_scaling")
+    if scaler:
+        # GradScaler.step reads found_inf on the host before torch's step; the fused twin
+        # takes the inf check on the device, so nothing drains the queue before the update
+        waited = host_opt * q
+        wait_why = (
+            f"GradScaler.step's .item() drains the GPU's queue before the step ({q:.0%} of "
+            f"the steps found it empty there): the GPU then waits for the {_ms(host_opt)} of "
+            "the step's host code; the fused twin takes the inf check on the device, no sync"
+        )
+    else:
+        waited = b.host.get("optimizer", 0.0) * host_opt * q * (1 - groups / n)
+        wait_why = (
+            f"the GPU's queue was empty at the optimizer's start in {q:.0%} of the steps: it "
+            "waits for the host cost of the step's ops, which one multi-tensor call per group "
+            "shortens"
+        )
+    gain = min(b.optimizer, work + waited)
+    return Advice(
+        "fused optimizer",
+        True,
+        "optimizer",
+        gain,
+        f"torch's {name} makes {torch_passes} fp32 reads + writes per parameter element "
+        f"(the fused twin {fused_passes}): {saved_bytes / 1e6:.0f} MB fewer per step, "
+        f"{_ms(work)} at the measured copy rate; {wait_why}",
+        "aiakrun --fuse-optimizer",
+        "the forward and backward; a custom optimizer",
+        flags=("--fuse-optimizer",),
+    )
 
 
 def _powersgd_ratio(shapes: Sequence[Sequence[int]], rank: int) -> float:
@@ -416,12 +523,109 @@ def _comm(b: Breakdown, on: Mapping[str, str]) -> list[Advice]:
     return out
 
 
+def o2_bytes(amp: Mapping[str, Sequence[int]]) -> tuple[int, int, int]:
+    """(bytes O2 saves per step, activation cast elements, fp32 elements written) from the
+    counted step's ``[casts, weight casts, fp32 elements]`` per phase (forward + backward).
+
+    A cast reads one dtype and writes the other: 6 bytes an element, gone under O2 except the
+    weights' (fp32 -> half each forward, the grad back each backward), which O2 replaces by
+    its own copies (half grads into the fp32 masters, masters back into the model): the same
+    bytes, so they save nothing. An fp32 element written by another op (autocast's fp32-list
+    ops: layer_norm, softmax, and what their fp32 outputs feed) is half under O2: 2 bytes
+    fewer written and 2 fewer read by the op that reads it once."""
+    f = amp.get("forward", (0, 0, 0))
+    bw = amp.get("backward", (0, 0, 0))
+    casts = int(f[0]) + int(bw[0])
+    activation = max(0, casts - 2 * int(f[1]))
+    fp32 = int(f[2]) + int(bw[2])
+    return 6 * activation + 4 * fp32, activation, fp32
+
+
+def _o2_from_autocast(b: Breakdown, dtype: str) -> Advice | None:
+    copy = float(b.facts.get("rates", {}).get("copy_Bps", 0.0))
+    saved, activation, fp32 = o2_bytes(b.facts.get("amp", {}))
+    if saved <= 0:
+        return None  # nothing the counted step casts or runs in fp32: O2 changes no bytes
+    busy = 1.0 - (b.gpu_idle or 0.0)
+    gain = min(b.compute, saved / copy * busy) if copy > 0 else None
+    at = f"{_ms(saved / copy)} at the measured copy rate" if copy > 0 else "no copy rate"
+    return Advice(
+        "O2 mixed precision",
+        True,
+        "compute",
+        gain,
+        f"the forward runs under autocast ({dtype}) with fp32 parameters: per step it casts "
+        f"{activation / 1e6:.1f}M activation elements and writes {fp32 / 1e6:.1f}M fp32 "
+        f"elements (autocast's fp32-list ops and what they feed); O2 runs the model in half: "
+        f"{saved / 1e6:.0f} MB fewer per step, {at}"
+        + (f", x{busy:.2f} for the GPU's busy share" if busy < 1 else ""),
+        "model, optimizer = aiak.amp.decorate(model, optimizer)  # before DDP; then "
+        "aiak.amp.GradScaler('cuda') or aiak.amp.install() for torch's GradScaler",
+        "matmuls and convolutions (autocast already runs them in half); the weight casts "
+        "(O2's master copies move the same bytes); a model that needs fp32 in those ops",
+        trial="o2",
+    )
+
+
+def _window_attention(b: Breakdown) -> Advice | None:
+    wa = b.facts.get("window_attention") or {}
+    if not b.facts.get("cuda") or int(wa.get("modules", 0)) <= 0:
+        return None
+    if (b.facts.get("trials") or {}).get("swin-convert") == "applied":
+        return None
+    scores = int(wa.get("scores", 0))
+    copy = float(b.facts.get("rates", {}).get("copy_Bps", 0.0))
+    busy = 1.0 - (b.gpu_idle or 0.0)
+    n = int(wa["modules"])
+    sdpa = min(n, int(wa.get("sdpa", 0))) / n  # the share of modules on timm's SDPA path
+    (eb, ex), (sb, sx) = WINDOW_CORES["eager"], WINDOW_CORES["sdpa"]
+    core = (1 - sdpa) * eb + sdpa * sb  # bytes per score element, as the modules run it
+    saved = (1 - sdpa) * eb * (1 - 1 / ex) + sdpa * sb * (1 - 1 / sx)
+    how = "eager ops" if sdpa == 0 else "SDPA, bias + mask materialised" if sdpa == 1 else "both"
+    gain = None
+    why = (
+        f"{n} timm-style window-attention module(s) run the attention core ({how}) over "
+        f"{scores / 1e6:.0f}M score elements per step; aiak::window_attention ran that core "
+        f"at least x{ex} (eager core) / x{sx} (SDPA core) faster, forward + backward (H100, "
+        "benchmarks/results/window_attention.csv)"
+    )
+    if scores > 0 and copy > 0:
+        gain = min(b.compute, scores * saved / copy * busy)
+        why += (
+            f": {core:.0f} copy-equivalent bytes per score element, "
+            f"{_ms(scores * core / copy)} at the measured copy rate"
+        )
+    else:
+        why += "; gain not estimated: " + (
+            "no score elements were counted" if scores <= 0 else "no copy rate was measured"
+        )
+    return Advice(
+        "fused window attention",
+        True,
+        "compute",
+        gain,
+        why,
+        "from aiak.ops import swin; swin.convert(model)  # before O2, DDP and torch.compile",
+        "the qkv / proj / MLP matmuls and the LayerNorms; modules with attention dropout "
+        "(they stay unfused)",
+        trial="swin-convert",
+    )
+
+
 def _compute(b: Breakdown) -> list[Advice]:
+    wa = _window_attention(b)
+    out = [wa] if wa is not None else []
     if b.bottleneck() != "host":
         opt = b.facts.get("optimizer") or {}
-        mixed = opt.get("aiak_o2") or b.facts.get("autocast")
-        if b.facts.get("cuda") and not mixed and "float32" in opt.get("dtypes", []):
+        auto = str(b.facts.get("autocast") or "")
+        decorated = opt.get("aiak_o2") or (b.facts.get("trials") or {}).get("o2") == "applied"
+        fp32 = "float32" in opt.get("dtypes", [])
+        if b.facts.get("cuda") and auto.startswith("cuda:") and not decorated and fp32:
+            o2 = _o2_from_autocast(b, auto.split(":", 1)[1])
+            return [*out, o2] if o2 is not None else out
+        if b.facts.get("cuda") and not decorated and not auto and fp32:
             return [
+                *out,
                 Advice(
                     "O2 mixed precision",
                     True,
@@ -433,12 +637,13 @@ def _compute(b: Breakdown) -> list[Advice]:
                     "model, optimizer = aiak.amp.decorate(model, optimizer)  "
                     "# with torch.autocast and a GradScaler",
                     "host-bound or communication-bound steps",
-                )
+                ),
             ]
-        return []
+        return out
     h = max(b.host.get("compute", 0.0), b.gpu_idle or 0.0)
     gain = b.compute * h * 0.5
     return [
+        *out,
         Advice(
             "larger batch, or CUDA graphs",
             False,
@@ -451,7 +656,7 @@ def _compute(b: Breakdown) -> list[Advice]:
             "or torch.compile(model, mode='reduce-overhead') on a GPU  (outside aiak)",
             "aiak's kernels, compression and O2 make the device faster, not the host: "
             "they do not help a host-bound step",
-        )
+        ),
     ]
 
 

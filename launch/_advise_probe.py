@@ -14,18 +14,24 @@ aiak's own activation) and then installs the probe. The probe times, per optimiz
 - optimizer: time in ``step()`` (torch's global optimizer step hooks); a step ends when the
   first optimizer seen finishes its ``step()``.
 
-One warm-up step runs under a dispatch mode that counts the ops of each phase; the host cost of
+One warm-up step runs under a dispatch mode that counts the ops of each phase (and the casts
+and fp32 elements O2 would change, and window attention's score elements); the host cost of
 an op with no work is calibrated at the end, so ``ops x cost`` is the host's share of a phase.
 With CUDA, the compute stream is sampled at each phase boundary: an empty queue while Python
-runs is the GPU waiting for the host. After ``AIAK_ADVISE_WARMUP`` + ``AIAK_ADVISE_STEPS``
-steps (or ``AIAK_ADVISE_SECONDS``), each rank writes ``rank<R>.json`` to ``AIAK_ADVISE_DIR``,
+runs is the GPU waiting for the host. With CUDA each measured step also records an event at
+each phase boundary, read once the GPU has passed it: the phases on the GPU's clock, where a
+host blocked in a sync (``.item()``) does not move the GPU's work into the loop's "other".
+After ``AIAK_ADVISE_WARMUP`` + ``AIAK_ADVISE_STEPS`` steps (or ``AIAK_ADVISE_SECONDS``), each
+rank writes ``rank<R>.json`` to ``AIAK_ADVISE_DIR``,
 stops its data-loader workers and exits with status 0; a script that ends first writes what it
 has at exit. DDP models with no comm hook get torch's ``allreduce_hook`` (wrapped by the timer)
 at their first forward: the buckets are then visible to the probe.
 
 ``AIAK_ADVISE_TRY=cross-epoch-loader`` (``aiak-advise --verify`` only) serves each
 ``DataLoader`` with workers through ``aiak.data.CrossEpochLoader``: the object the recommended
-code line builds, applied here so the trial needs no change to the user's files.
+code line builds, applied here so the trial needs no change to the user's files. ``o2`` and
+``swin-convert`` apply ``aiak.amp.decorate(model, optimizer)`` (with ``aiak.amp.install()``) and
+``aiak.ops.swin.convert(model)`` at the model's first forward.
 """
 
 from __future__ import annotations
@@ -78,8 +84,10 @@ class _Probe:
         self.facts: dict[str, Any] = {"loaders": [], "ddp": []}
         self.primary: int | None = None  # id of the optimizer whose step() ends a step
         self.opt_t0: float | None = None
+        self.opt_ev: Any = None
         self.fwd_depth = 0
         self.fwd_t0 = 0.0
+        self.fwd_ev: Any = None
         self.roots: dict[int, Any] = {}
         self.global_hooks: list[Any] = []
         self.undo: list[Any] = []  # what uninstall() calls, last first
@@ -90,6 +98,20 @@ class _Probe:
         self.work = {k: [0, 0] for k in self.ops}  # phase -> [elements written, multiply-adds]
         self.cuda = False
         self.samples = [0, 0]  # [boundaries sampled, of which the stream was empty]
+        self.opt_samples = [0, 0]  # the same at the optimizer's start (after any sync)
+        # the GPU's clock (CUDA): events at the phase boundaries of the measured steps
+        self.new_event: Any = None  # () -> a timing CUDA event, once the model is on CUDA
+        self.event_pool: list[Any] = []
+        self.gpu_cur: list[tuple[str, Any, Any]] = []  # (phase, start, end) of this step
+        self.gpu_prev_end: Any = None  # the previous step's end event
+        self.gpu_pending: list[tuple[dict[str, Any], list[Any], Any, Any]] = []
+        self.amp = {k: [0, 0, 0] for k in self.ops}  # phase -> precision() sums
+        self.weights: set[int] = set()  # data_ptr of the primary optimizer's fp32 params
+        self.primary_ref: Any = None
+        self.attn_hooks: list[Any] = []
+        self.attn_scores = 0  # window attention's score elements (B_ x heads x N^2), forward
+        self.optimizers: Any = weakref.WeakSet()  # built while a trial needs them
+        self.trials_done: dict[str, str] = {}  # trial -> "applied" or why not
         self.written = False
         self.exit = os._exit  # how a rank ends after its last measured step
         self.buckets: dict[int, int] = {}  # bucket index -> bytes (this step)
@@ -112,17 +134,66 @@ class _Probe:
         if self.torch.cuda.current_stream().query():
             self.samples[1] += 1
 
+    def sample_opt(self) -> None:
+        """The queue at the optimizer's start: empty there in most steps means the host just
+        waited for the GPU (GradScaler.step's ``.item()``) and the GPU now waits for the
+        optimizer's host code."""
+        if not self.cuda:
+            return
+        self.opt_samples[0] += 1
+        if self.torch.cuda.current_stream().query():
+            self.opt_samples[1] += 1
+
     def measuring(self) -> bool:
         return self.step >= self.warmup
+
+    # -- the GPU's clock ----------------------------------------------------------------------
+
+    def event(self) -> Any:
+        """A timing event recorded on the current stream now; read events are used again."""
+        ev = self.event_pool.pop() if self.event_pool else self.new_event()
+        ev.record()
+        return ev
+
+    def gpu_mark(self) -> Any:
+        """An event recorded now (measured steps on CUDA), else None."""
+        if self.new_event is None or self.step < self.warmup:
+            return None
+        return self.event()
+
+    def gpu_phase(self, phase: str, start: Any) -> None:
+        """``phase`` ran from ``start`` to now, on the GPU's clock."""
+        if start is None:
+            return
+        self.gpu_cur.append((phase, start, self.event()))
+
+    def read_gpu(self, block: bool) -> None:
+        """Turn the events of finished steps into each record's ``gpu`` phases; without
+        ``block`` only the steps the GPU has passed (``query()`` does not synchronise)."""
+        while self.gpu_pending:
+            rec, phases, start, end = self.gpu_pending[0]
+            if not block and not end.query():
+                return
+            self.gpu_pending.pop(0)
+            gpu = dict.fromkeys(("data", "data_epoch_start", "forward", "backward"), 0.0)
+            gpu["optimizer"] = 0.0
+            for phase, a, b in phases:
+                gpu[phase] += a.elapsed_time(b) / 1e3
+            gpu["step"] = start.elapsed_time(end) / 1e3
+            rec["gpu"] = gpu
+            # this step's events and its start (the previous step's end) are free again
+            self.event_pool.extend({id(e): e for _, a, b in phases for e in (a, b)}.values())
+            self.event_pool.append(start)
 
     # -- data ---------------------------------------------------------------------------------
 
     def timed_iter(self, loader: Any, make: Any) -> Any:
         t0 = time.perf_counter()
+        ev = self.gpu_mark()
         _Phase.name = "data"
         inner = make()
         _Phase.name = "other"
-        it = _TimedIter(self, inner, time.perf_counter() - t0)
+        it = _TimedIter(self, inner, time.perf_counter() - t0, ev)
         self.iters.add(it)
         if not any(f["id"] == id(loader) for f in self.facts["loaders"]):
             self.facts["loaders"].append(
@@ -140,28 +211,37 @@ class _Probe:
             )
         return it
 
-    def add_data(self, seconds: float, epoch_start: bool) -> None:
+    def add_data(self, seconds: float, epoch_start: bool, gpu_start: Any = None) -> None:
         self.cur["data"] += seconds
         if epoch_start:
             self.cur["data_epoch_start"] += seconds
+        if gpu_start is not None:
+            end = self.event()
+            self.gpu_cur.append(("data", gpu_start, end))
+            if epoch_start:
+                self.gpu_cur.append(("data_epoch_start", gpu_start, end))
         self.sample_stream()
 
     # -- forward ------------------------------------------------------------------------------
 
     def fwd_pre(self, module: Any, args: Any) -> None:
         if self.fwd_depth == 0:
-            self.fwd_t0 = time.perf_counter()
-            _Phase.name = "forward"
             if self.global_hooks:
                 self.roots.setdefault(id(module), module)
+                if self.trials and self.step == 0:
+                    self.apply_trials(module)
             elif "autocast" not in self.facts:
                 self.facts["autocast"] = _autocast(self.torch)
+            self.fwd_t0 = time.perf_counter()
+            self.fwd_ev = self.gpu_mark()
+            _Phase.name = "forward"
         self.fwd_depth += 1
 
     def fwd_post(self, module: Any, args: Any, out: Any) -> None:
         self.fwd_depth = max(0, self.fwd_depth - 1)
         if self.fwd_depth == 0:
             self.cur["forward"] += time.perf_counter() - self.fwd_t0
+            self.gpu_phase("forward", self.fwd_ev)
             _Phase.name = "other"
             self.sample_stream()
 
@@ -174,11 +254,22 @@ class _Probe:
             self.undo.append(m.register_forward_pre_hook(self.fwd_pre).remove)
             self.undo.append(m.register_forward_hook(self.fwd_post).remove)
         self.facts["forward_roots"] = sorted({type(m).__name__ for m in self.roots.values()})
+        todo, fused, dropout = _window_attention_modules(self.roots.values())
+        if todo or fused or dropout:
+            self.facts["window_attention"] = {
+                "modules": len(todo),
+                # timm's fused_attn: the core is SDPA with the bias + mask materialised
+                "sdpa": sum(bool(getattr(m, "fused_attn", False)) for m in todo),
+                "fused": fused,
+                "dropout": dropout,
+                "scores": 0,
+            }
 
     # -- backward and comm --------------------------------------------------------------------
 
     def backward(self, run: Any) -> Any:
         t0 = time.perf_counter()
+        ev = self.gpu_mark()
         self.buckets.clear()
         self.last_hook_end = self.last_future = self.comm_hook = 0.0
         _Phase.name = "backward"
@@ -186,6 +277,7 @@ class _Probe:
             return run()
         finally:
             end = time.perf_counter()
+            self.gpu_phase("backward", ev)
             _Phase.name = "other"
             self.cur["backward"] += end - t0
             if self.buckets:
@@ -222,10 +314,17 @@ class _Probe:
     def opt_pre(self, opt: Any, args: Any, kwargs: Any) -> None:
         if self.primary is None:
             self.primary = id(opt)
+            self.primary_ref = weakref.ref(opt)
             self.facts["optimizer"] = _optimizer_facts(opt)
+            self.facts["optimizer"]["grad_scaler"] = _stepped_by_grad_scaler()
             self.cuda = self.facts["optimizer"]["device"] == "cuda"
+            if self.cuda:
+                cuda = self.torch.cuda
+                self.new_event = lambda: cuda.Event(enable_timing=True)
         if id(opt) == self.primary:
+            self.sample_opt()
             self.opt_t0 = time.perf_counter()
+            self.opt_ev = self.gpu_mark()
         _Phase.name = "optimizer"
 
     def opt_post(self, opt: Any, args: Any, kwargs: Any) -> None:
@@ -235,6 +334,7 @@ class _Probe:
         now = time.perf_counter()
         self.cur["optimizer"] += now - self.opt_t0
         self.opt_t0 = None
+        self.gpu_phase("optimizer", self.opt_ev)
         self.sample_stream()
         self.end_step(now)
 
@@ -248,17 +348,21 @@ class _Probe:
             self.roots_only()
         if self.step > self.warmup:
             self.records.append(rec)
+        if self.new_event is not None and self.step >= self.warmup:
+            end = self.event()
+            if self.step > self.warmup:
+                self.gpu_pending.append((rec, self.gpu_cur, self.gpu_prev_end, end))
+            self.gpu_prev_end = end
+            self.gpu_cur = []
+            self.read_gpu(block=False)
         if self.counter is not None:
-            self.counter.__exit__(None, None, None)
-            self.counter = None
+            self.stop_counting()
         if self.step == self.warmup - 1:  # count the ops of the last warm-up step
-            self.ops = dict.fromkeys(self.ops, 0)
-            self.work = {k: [0, 0] for k in self.ops}
-            self.counter = _counter(self)
-            self.counter.__enter__()
+            self.start_counting()
         if self.step == self.warmup:
             self.measure_start = now
             self.samples = [0, 0]
+            self.opt_samples = [0, 0]
         if self.measuring():
             self.check_stop(now)
 
@@ -280,11 +384,87 @@ class _Probe:
         if self.stop_at is not None and self.step >= self.stop_at:
             self.finish(complete=True)
 
+    # -- the counted step ---------------------------------------------------------------------
+
+    def start_counting(self) -> None:
+        self.ops = dict.fromkeys(self.ops, 0)
+        self.work = {k: [0, 0] for k in self.ops}
+        self.amp = {k: [0, 0, 0] for k in self.ops}
+        opt = self.primary_ref() if self.primary_ref is not None else None
+        if opt is not None:
+            params = [p for g in opt.param_groups for p in g["params"]]
+            ptrs = {_advise_work.storage_ptr(p) for p in params if p.dtype == self.torch.float32}
+            self.weights = {x for x in ptrs if x is not None}
+        self.attn_scores = 0
+        for m in _window_attention_modules(self.roots.values())[0]:
+            self.attn_hooks.append(m.register_forward_pre_hook(self.count_scores))
+        self.counter = _counter(self)
+        self.counter.__enter__()
+
+    def stop_counting(self) -> None:
+        self.counter.__exit__(None, None, None)
+        self.counter = None
+        for h in self.attn_hooks:
+            h.remove()
+        self.attn_hooks = []
+        if "window_attention" in self.facts:
+            self.facts["window_attention"]["scores"] = self.attn_scores
+
+    def count_scores(self, module: Any, args: Any) -> None:
+        """Window attention's score matrix in one call: windows x heads x N x N elements."""
+        x = args[0] if args else None
+        if isinstance(x, self.torch.Tensor) and x.dim() == 3:
+            self.attn_scores += int(x.shape[0]) * int(module.num_heads) * int(x.shape[1]) ** 2
+
+    # -- trials (aiak-advise --verify of a code line) -----------------------------------------
+
+    def apply_trials(self, module: Any) -> None:
+        """At the first top-level forward: apply each trial's code line to this module (the
+        model) and its optimizer, as the user would before the loop."""
+        # a module without the model's optimizer (a transform called first) is not the model:
+        # the next top-level forward of the first step tries again
+        if "swin-convert" in self.trials and self.trials_done.get("swin-convert") != "applied":
+            from aiak.ops import swin
+
+            if _window_attention_modules([module])[0]:
+                swin.convert(module)
+                self.trials_done["swin-convert"] = "applied"
+            else:
+                self.trials_done["swin-convert"] = "not applied: no window attention found"
+        if "o2" in self.trials and self.trials_done.get("o2") != "applied":
+            self.trials_done["o2"] = self.decorate(module)
+        self.facts["trials"] = dict(self.trials_done)
+
+    def decorate(self, module: Any) -> str:
+        import aiak.amp
+
+        torch = self.torch
+        if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+            return "not applied: the model is wrapped in DDP before its first forward"
+        held = {id(p) for p in module.parameters()}
+        for opt in list(self.optimizers):
+            params = [p for g in opt.param_groups for p in g["params"]]
+            if params and all(id(p) in held for p in params):
+                dtype = torch.float16
+                if torch.is_autocast_enabled("cuda"):
+                    dtype = torch.get_autocast_dtype("cuda")
+                elif torch.is_autocast_enabled("cpu"):
+                    dtype = torch.get_autocast_dtype("cpu")
+                try:
+                    aiak.amp.decorate(module, opt, dtype=dtype)
+                except (RuntimeError, TypeError, ValueError) as e:  # decorate's own refusals
+                    return f"not applied: {e}"
+                return "applied"
+        return "not applied: no optimizer holds this model's parameters at its first forward"
+
     # -- the end ------------------------------------------------------------------------------
 
     def report(self, complete: bool) -> dict[str, Any]:
         device = self.facts.get("optimizer", {}).get("device", "cpu")
         cost = _advise_work.op_cost(self.torch, device)
+        rates = _advise_work.rates(self.torch)
+        if self.cuda:
+            rates["copy_Bps"] = _advise_work.copy_rate(self.torch)
         for f in self.facts["loaders"]:
             f.pop("id", None)
         dist = self.torch.distributed
@@ -302,9 +482,12 @@ class _Probe:
             "ops": self.ops,
             "op_cost_s": cost,
             "work": self.work,
-            "rates": _advise_work.rates(self.torch),
+            "amp": self.amp,
+            "rates": rates,
             "stream_samples": self.samples[0],
             "stream_empty": self.samples[1],
+            "opt_samples": self.opt_samples[0],
+            "opt_empty": self.opt_samples[1],
             "facts": self.facts,
             "trials": sorted(self.trials),
         }
@@ -314,8 +497,13 @@ class _Probe:
             return
         self.written = True
         if self.counter is not None:
-            self.counter.__exit__(None, None, None)
-            self.counter = None
+            self.stop_counting()
+        if self.gpu_pending:
+            try:
+                self.torch.cuda.synchronize()  # once, at the end: the last steps' events
+                self.read_gpu(block=True)
+            except RuntimeError:  # a CUDA error at exit: those steps keep the host's clock
+                self.gpu_pending.clear()
         dist = self.torch.distributed
         distributed = dist.is_available() and dist.is_initialized()
         # every rank is here (they end at the same step): the link can be timed together
@@ -344,10 +532,11 @@ class _Probe:
 class _TimedIter:
     """A data-loader iterator with its ``next()`` timed; anything else goes to the inner one."""
 
-    def __init__(self, probe: _Probe, inner: Any, start: float) -> None:
+    def __init__(self, probe: _Probe, inner: Any, start: float, gpu_start: Any = None) -> None:
         self.probe = probe
         self.inner = inner
         self.pending = start  # iter()'s own time joins the first batch's wait
+        self.gpu_pending = gpu_start  # and on the GPU's clock, from iter()'s start
         self.first = True
 
     def __iter__(self) -> _TimedIter:
@@ -355,13 +544,14 @@ class _TimedIter:
 
     def __next__(self) -> Any:
         t0 = time.perf_counter()
+        ev = self.gpu_pending if self.gpu_pending is not None else self.probe.gpu_mark()
         _Phase.name = "data"
         try:
             return next(self.inner)
         finally:
             _Phase.name = "other"
-            self.probe.add_data(time.perf_counter() - t0 + self.pending, self.first)
-            self.pending, self.first = 0.0, False
+            self.probe.add_data(time.perf_counter() - t0 + self.pending, self.first, ev)
+            self.pending, self.first, self.gpu_pending = 0.0, False, None
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -394,8 +584,14 @@ def _autocast(torch: Any) -> str | None:
 
 def _optimizer_facts(opt: Any) -> dict[str, Any]:
     params = [p for g in opt.param_groups for p in g["params"]]
+    group = opt.param_groups[0] if opt.param_groups else {}
     return {
         "aiak_o2": getattr(opt, "_aiak_amp", None) is not None,
+        # GradScaler hands the inf check to such an optimizer: no .item() before its step
+        "amp_scaling": bool(getattr(opt, "_step_supports_amp_scaling", False)),
+        "momentum": _number(group.get("momentum")),
+        "weight_decay": _number(group.get("weight_decay")),
+        "nesterov": bool(group.get("nesterov", False)),
         "type": type(opt).__name__,
         "module": type(opt).__module__,
         "groups": len(opt.param_groups),
@@ -409,12 +605,72 @@ def _optimizer_facts(opt: Any) -> dict[str, Any]:
     }
 
 
+def _number(value: Any) -> float:
+    """A hyper-parameter as a float (0.0 when absent or not a number: a custom optimizer)."""
+    try:
+        return float(value or 0.0)
+    except (TypeError, ValueError, RuntimeError):
+        return 0.0
+
+
+def _stepped_by_grad_scaler() -> bool:
+    """Whether the optimizer's step() was called by torch's GradScaler.step (the caller of the
+    step hook, a few frames up): it reads ``found_inf`` on the host first, unless the
+    optimizer takes the inf check itself (``_step_supports_amp_scaling``)."""
+    frame = sys._getframe(1)
+    for _ in range(12):
+        frame = frame.f_back
+        if frame is None:
+            return False
+        if frame.f_code.co_filename.replace("\\", "/").endswith("amp/grad_scaler.py"):
+            return True
+    return False
+
+
+_WINDOW_ATTENTION_ATTRS = (
+    "relative_position_bias_table",
+    "relative_position_index",
+    "qkv",
+    "proj",
+    "num_heads",
+    "scale",
+    "window_size",
+)
+
+
+def _window_attention_modules(roots: Any) -> tuple[list[Any], int, int]:
+    """timm-style window attention under ``roots``, recognised by the attributes
+    ``aiak.ops.swin.convert`` recognises: (the modules convert would fuse, the modules already
+    fused, the modules left as they are for their attention dropout)."""
+    todo, fused, dropout, seen = [], 0, 0, set()
+    for root in roots:
+        for m in root.modules():
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            name = type(m).__name__
+            if name == "FusedWindowAttention":
+                fused += 1
+            elif name.endswith("WindowAttention") and all(
+                hasattr(m, a) for a in _WINDOW_ATTENTION_ATTRS
+            ):
+                drop = getattr(m, "attn_drop", None)
+                if float(getattr(drop, "p", 0.0) or 0.0) > 0:
+                    dropout += 1
+                else:
+                    todo.append(m)
+    return todo, fused, dropout
+
+
 def _counter(probe: _Probe) -> Any:
     def count(func: Any, args: Any, out: Any) -> None:
         phase = _Phase.name
         probe.ops[phase] = probe.ops.get(phase, 0) + 1
         elems, macs = _advise_work.work(func, args, out)
         probe.work[phase] = [probe.work[phase][0] + elems, probe.work[phase][1] + macs]
+        casts, weights, fp32 = _advise_work.precision(func, args, out, probe.weights)
+        a = probe.amp[phase]
+        probe.amp[phase] = [a[0] + casts, a[1] + weights, a[2] + fp32]
 
     return _advise_work.counting(count)
 
@@ -456,6 +712,8 @@ def install(out_dir: str) -> _Probe:
         nn_module.register_module_forward_hook(probe.fwd_post),
     ]
     probe.undo.append(lambda: [h.remove() for h in probe.global_hooks])
+    if "o2" in probe.trials:
+        _track_optimizers(probe, torch)
     probe.undo.append(torch_optimizer.register_optimizer_step_pre_hook(probe.opt_pre).remove)
     probe.undo.append(torch_optimizer.register_optimizer_step_post_hook(probe.opt_post).remove)
 
@@ -474,11 +732,30 @@ def install(out_dir: str) -> _Probe:
     return probe
 
 
+def _track_optimizers(probe: _Probe, torch: Any) -> None:
+    """The O2 trial: remember each optimizer built (decorate needs the model's), and make every
+    GradScaler follow O2's policy for decorated optimizers (``aiak.amp.install``, the
+    documented switch; undone with the probe)."""
+    import aiak.amp
+
+    base = torch.optim.Optimizer
+    init = base.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        probe.optimizers.add(self)
+
+    base.__init__ = __init__
+    probe.undo.append(lambda: setattr(base, "__init__", init))
+    if not aiak.amp.installed():
+        aiak.amp.install()
+        probe.undo.append(aiak.amp.uninstall)
+
+
 def uninstall(probe: _Probe) -> None:
     """Remove every hook and patch :func:`install` made (tests; a worker just exits)."""
     if probe.counter is not None:
-        probe.counter.__exit__(None, None, None)
-        probe.counter = None
+        probe.stop_counting()
     while probe.undo:
         probe.undo.pop()()
 

@@ -80,6 +80,15 @@ def text(
         + ("" if b.gpu_idle is None else f"; GPU queue empty at {b.gpu_idle:.0%} of boundaries"),
         "model: " + _model_line(f, b.comm),
     ]
+    if b.clock == "gpu":
+        lines.insert(
+            3,
+            "  phases on the GPU's clock (CUDA events at their boundaries); the host's: "
+            + " | ".join(
+                f"{p} {_ms(b.host_s.get(p, 0.0))}"
+                for p in ("data", "forward", "backward", "optimizer")
+            ),
+        )
     if run.get("incomplete_ranks"):
         lines.append(
             f"  note: rank(s) {run['incomplete_ranks']} ended before the last measured step "

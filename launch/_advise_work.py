@@ -8,10 +8,10 @@ an op's work (elements written, multiply-adds of matmuls and convolutions); :fun
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
-__all__ = ["counting", "link", "op_cost", "rates", "work"]
+__all__ = ["copy_rate", "counting", "link", "op_cost", "precision", "rates", "storage_ptr", "work"]
 
 
 def counting(on_op: Callable[[Any, Any, Any], None]) -> Any:
@@ -48,6 +48,33 @@ def work(func: Any, args: Any, out: Any) -> tuple[int, int]:
     return elems, macs
 
 
+def precision(func: Any, args: Any, out: Any, weights: Collection[int]) -> tuple[int, int, int]:
+    """What O2 would change in one op: (elements it casts from one float dtype to another,
+    of those the fp32 weights cast to half (``weights``: their ``data_ptr()``), fp32 elements
+    written by an op that is not a cast). Autocast's casts reach the dispatcher as
+    ``_to_copy``; its fp32-list ops (layer_norm, softmax, ...) write fp32 outputs."""
+    import torch
+
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    name = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else ""
+    first = args[0] if args else None
+    if name == "_to_copy" and isinstance(first, torch.Tensor) and isinstance(out, torch.Tensor):
+        if first.is_floating_point() and out.is_floating_point() and first.dtype != out.dtype:
+            weight = first.dtype == torch.float32 and storage_ptr(first) in weights
+            return out.numel(), out.numel() if weight else 0, 0
+        return 0, 0, 0
+    fp32 = sum(t.numel() for t in outs if isinstance(t, torch.Tensor) and t.dtype == torch.float32)
+    return 0, 0, fp32
+
+
+def storage_ptr(t: Any) -> int | None:
+    """A tensor's storage address; None for one that has none (a meta or wrapper tensor)."""
+    try:
+        return int(t.data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 def rates(torch: Any) -> dict[str, float]:
     """Seconds per element written by an elementwise op and per multiply-add of a matmul of
     a small batch, on the CPU (best of five)."""
@@ -67,6 +94,26 @@ def rates(torch: Any) -> dict[str, float]:
         "elem_s": best(lambda: torch.add(a, b, out=c)) / 2**20,
         "mac_s": best(lambda: torch.mm(x, w)) / (64 * 256 * 256),
     }
+
+
+def copy_rate(torch: Any, nbytes: int = 2**28) -> float:
+    """Bytes per second a device-to-device copy moves on the current GPU (read + write: a copy
+    of ``nbytes`` moves ``2 * nbytes``), timed with CUDA events, best of five. The rate that
+    turns the bytes a change saves into time: the ops it acts on (casts, fp32 elementwise ops,
+    an optimizer's passes over its state) are bound by memory bandwidth, as a copy is."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm
+    best = float("inf")
+    for _ in range(5):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return 2 * nbytes / best if best > 0 else 0.0
 
 
 def op_cost(torch: Any, device: str) -> float:

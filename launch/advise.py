@@ -255,6 +255,10 @@ def _verify(
             trial=a.trial,
         )
         after = model.breakdown(reports)
+        # a trial the probe could not apply (a model wrapped in DDP first, ...) verifies nothing
+        status = (after.facts.get("trials") or {}).get(a.trial or "", "applied")
+        if status != "applied":
+            return {"skipped": f"{a.feature}: {status}"}, None
         how = (
             "aiakrun " + " ".join(extra)
             if extra

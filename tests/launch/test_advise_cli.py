@@ -168,3 +168,54 @@ def test_aiakrun_advise_hands_the_job_to_aiak_advise(capsys):
     assert "aiak-advise: error: --steps must be >= 1" in capsys.readouterr().err
     # after '--' the flag belongs to the user's command: aiakrun parses it as usual
     assert aiakrun.main(["--dry-run", "-np", "1", "--", "python", "x.py", "--advise"]) == 0
+
+
+def test_verify_of_a_trial_the_probe_could_not_apply_is_skipped_with_its_reason(monkeypatch):
+    def fake_measure(aiakrun_args, command, *args, trial=None, **kw):
+        reports = _fake_reports(50.0)
+        reports[0]["facts"] = {"trials": {trial: "not applied: the model is wrapped in DDP"}}
+        return reports, ""
+
+    monkeypatch.setattr(advise, "measure", fake_measure)
+    ns = advise._parser().parse_args([])
+    ns.steps, ns.warmup_steps, ns.seconds, ns.limit = 5, 3, None, 100.0
+    before = advise.model.breakdown(_fake_reports(100.0))
+    advice = [_advice("O2 mixed precision", 0.01, trial="o2")]
+    result, after = advise._verify(ns, ["-np", "1"], ["python", "t.py"], before, advice)
+    assert after is None
+    assert result == {"skipped": "O2 mixed precision: not applied: the model is wrapped in DDP"}
+
+
+_O2_SCRIPT = """
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 32), nn.LayerNorm(32), nn.Linear(32, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+x, y = torch.randn(16, 8), torch.randn(16, 1)
+for _ in range(40):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = nn.functional.mse_loss(model(x).float(), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trial", [None, "o2"])
+def test_the_o2_trial_runs_the_unchanged_script_decorated(tmp_path, monkeypatch, trial):
+    script = tmp_path / "train.py"
+    script.write_text(_O2_SCRIPT)
+    for k in [k for k in os.environ if k.startswith(("AIAK_", "PERSEUS_"))]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    reports, _ = advise.measure(
+        ["-np", "1"], [sys.executable, str(script)], steps=3, warmup=2, limit=240, trial=trial
+    )
+    facts = reports[0]["facts"]
+    assert facts["optimizer"]["aiak_o2"] == (trial == "o2")
+    assert facts.get("trials", {}) == ({"o2": "applied"} if trial else {})
+    # decorated, the model runs in half: its weights are no longer cast in the forward
+    assert (reports[0]["amp"]["forward"][1] == 0) == (trial == "o2")

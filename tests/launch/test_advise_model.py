@@ -315,3 +315,211 @@ def test_a_timed_link_splits_exposed_comm_into_bytes_and_waiting():
     assert advice[0].gain_s == pytest.approx(moved / 2)  # halves the bytes' part only
     check = next(a for a in advice if a.feature == "slow-rank check")
     assert check.gain_s is None and not check.flags and "--perf-check-n-steps" in check.use
+
+
+# -- CUDA: the GPU's clock and the GPU rules ---------------------------------------------------
+
+
+def _cuda(records, gpu, facts=None, amp=None, copy=2.5e12, opt_empty=0, **kw):
+    """A CUDA rank report: host ``records``, each with the GPU intervals ``gpu`` (ms)."""
+    recs = [{**r, "gpu": {k: v * MS for k, v in gpu.items()}} for r in records]
+    r = _report(recs, **(facts or {}))
+    r.update(cuda=True, stream_samples=100, stream_empty=5, opt_samples=20, opt_empty=opt_empty)
+    r["rates"] = {**r["rates"], "copy_Bps": copy}
+    r["amp"] = amp or {}
+    r["facts"]["optimizer"] = {**r["facts"]["optimizer"], "device": "cuda", **kw}
+    return r
+
+
+# ResNet-50 b128 under O1 on an H100 (docs/advise.md): the host runs ahead, then waits in
+# GradScaler.step's .item() for the backward's GPU work: 13.8 ms "other" on the host's clock
+_RESNET_HOST = _record(data=0.0, forward=4.0, backward=3.5, optimizer=1.1, step=29.8)
+_RESNET_GPU = {"data": 0.0, "forward": 9.5, "backward": 17.5, "optimizer": 1.6, "step": 29.8}
+_SGD = {
+    "type": "SGD",
+    "module": "torch.optim.sgd",
+    "tensors": 161,
+    "parameters": 25_557_032,
+    "foreach": True,
+    "momentum": 0.9,
+    "weight_decay": 1e-4,
+    "nesterov": False,
+    "amp_scaling": False,
+    "grad_scaler": True,
+}
+
+
+def test_on_cuda_the_phases_are_the_gpu_intervals_and_the_hosts_wait_is_not_other():
+    host_only = model.breakdown(
+        [{**_cuda([_RESNET_HOST] * 10, _RESNET_GPU), "records": [_RESNET_HOST] * 10}]
+    )
+    assert host_only.clock == "host"
+    assert host_only.other == pytest.approx(21.2 * MS)  # the host's view: the wait is "other"
+    b = model.breakdown([_cuda([_RESNET_HOST] * 10, _RESNET_GPU)])
+    assert b.clock == "gpu"
+    assert (b.forward, b.backward, b.optimizer) == pytest.approx((9.5 * MS, 17.5 * MS, 1.6 * MS))
+    assert b.other == pytest.approx(1.2 * MS)
+    assert b.step == pytest.approx(29.8 * MS)
+    assert b.bottleneck() == "compute"
+    assert b.host_s["optimizer"] == pytest.approx(1.1 * MS)
+    text = report.text(b, [], {"warmup": 5})
+    assert "phases on the GPU's clock" in text and "optimizer 1.1 ms" in text
+
+
+def test_gpu_clock_needs_every_measured_step_read():
+    recs = [{**_RESNET_HOST, "gpu": {k: v * MS for k, v in _RESNET_GPU.items()}}] * 9
+    r = _cuda([_RESNET_HOST], _RESNET_GPU)
+    r["records"] = [*recs, _RESNET_HOST]  # one step's events never read: the host's clock
+    assert model.breakdown([r]).clock == "host"
+
+
+@pytest.mark.parametrize(
+    ("opt", "passes"),
+    [
+        ({"type": "SGD"}, (3, 3)),
+        ({"type": "SGD", "momentum": 0.9}, (8, 5)),
+        ({"type": "SGD", "momentum": 0.9, "weight_decay": 1e-4}, (11, 5)),
+        ({"type": "SGD", "momentum": 0.9, "nesterov": True}, (11, 5)),
+        ({"type": "SGD", "nesterov": True}, (3, 3)),  # nesterov needs momentum
+        ({"type": "Adam"}, (18, 7)),
+        ({"type": "Adam", "weight_decay": 0.1}, (21, 7)),
+        ({"type": "AdamW", "weight_decay": 0.05}, (20, 7)),
+    ],
+)
+def test_optimizer_passes_over_the_state(opt, passes):
+    assert model.optimizer_passes(opt) == passes
+
+
+def test_fused_optimizer_on_cuda_counts_the_state_passes_and_the_scalers_sync():
+    b = model.breakdown([_cuda([_RESNET_HOST] * 10, _RESNET_GPU, opt_empty=20, **_SGD)])
+    fused = next(a for a in model.advise(b) if a.feature == "fused optimizer")
+    work = (11 - 5) * 4 * 25_557_032 / 2.5e12  # 0.25 ms of the GPU's passes
+    # the queue empty at the optimizer's start in every step: the GPU waits for its 1.1 ms
+    assert fused.gain_s == pytest.approx(work + 1.1 * MS)
+    assert fused.flags == ("--fuse-optimizer",) and "GradScaler" in fused.why
+    # half the steps found the queue empty: half the wait
+    half = model.breakdown([_cuda([_RESNET_HOST] * 10, _RESNET_GPU, opt_empty=10, **_SGD)])
+    assert model.advise(half)[0].gain_s == pytest.approx(work + 0.55 * MS)
+    # never bounded beyond the optimizer's own interval on the GPU
+    gpu = {**_RESNET_GPU, "optimizer": 0.9}
+    small = model.breakdown([_cuda([_RESNET_HOST] * 10, gpu, opt_empty=20, **_SGD)])
+    assert model.advise(small)[0].gain_s == pytest.approx(0.9 * MS)
+
+
+def test_fused_optimizer_on_cuda_without_a_scaler_waits_only_for_the_ops_host_cost():
+    opt = {**_SGD, "grad_scaler": False}
+    b = model.breakdown([_cuda([_RESNET_HOST] * 10, _RESNET_GPU, opt_empty=20, **opt)])
+    fused = model._fused_on_gpu(b, b.facts["optimizer"], 161, 1)
+    work = (11 - 5) * 4 * 25_557_032 / 2.5e12
+    host_cost = 40 * 5e-6  # the report's 40 optimizer ops x 5 us
+    assert fused.gain_s == pytest.approx(work + host_cost * (1 - 1 / 161))
+    # 0.45 ms of a 29.8 ms step: under the 2% worth advising
+    assert "fused optimizer" not in [a.feature for a in model.advise(b)]
+
+
+def test_fused_optimizer_on_a_host_bound_gpu_counts_the_ops_host_cost_where_the_gpu_idles():
+    # Adam's per-tensor loop over 400 small tensors: the GPU idles at 80% of the boundaries
+    # though the queue was never seen empty at the optimizer's start
+    opt = {"type": "Adam", "tensors": 400, "parameters": 6400, "foreach": False}
+    host = _record(forward=1, backward=2, optimizer=40, step=45)
+    gpu = {"forward": 1.5, "backward": 2.5, "optimizer": 40.0, "step": 45.0}
+    r = _cuda([host] * 10, gpu, opt_empty=0, **opt)
+    r.update(stream_empty=80, ops={"optimizer": 4000})
+    b = model.breakdown([r])
+    fused = next(a for a in model.advise(b) if a.feature == "fused optimizer")
+    work = (18 - 7) * 4 * 6400 / 2.5e12
+    # 4000 ops x 5 us = 20 ms of host cost, x 0.8 exposed, one group of 400 keeps 1/400
+    assert fused.gain_s == pytest.approx(work + 20 * MS * 0.8 * (1 - 1 / 400))
+
+
+@pytest.mark.parametrize("opt", [{"fused": True}, {"type": "RMSprop"}])
+def test_no_fused_optimizer_on_cuda_without_a_twin(opt):
+    o = {**_SGD, **opt}
+    b = model.breakdown([_cuda([_RESNET_HOST] * 10, _RESNET_GPU, opt_empty=20, **o)])
+    assert not [a for a in model.advise(b) if a.feature == "fused optimizer"]
+
+
+# Swin-T b64 under O1, counted by hand from timm's block (docs/advise.md): per step ~320M
+# activation elements cast each way (LayerNorm outputs and softmax to half, their grads back),
+# ~700M fp32 elements written forward (LayerNorms, the fp32 residual stream, bias + mask adds
+# and softmax over the scores) and ~600M backward; 28M weights cast each way
+_SWIN_HOST = _record(forward=20.0, backward=3.0, optimizer=0.9, step=54.0)
+_SWIN_GPU = {"forward": 17.0, "backward": 34.0, "optimizer": 1.0, "step": 54.0}
+_AMP = {
+    "forward": [323_000_000 + 28_000_000, 28_000_000, 713_000_000],
+    "backward": [320_000_000 + 28_000_000, 0, 600_000_000],
+}
+
+
+def test_o2_from_autocast_is_estimated_from_the_casts_and_fp32_elements():
+    facts = {"autocast": "cuda:float16"}
+    b = model.breakdown([_cuda([_SWIN_HOST] * 10, _SWIN_GPU, facts, amp=_AMP)])
+    saved, activation, fp32 = model.o2_bytes(_AMP)
+    # the weights' casts (28M each way) are O2's master copies: only the activations count
+    assert activation == 643_000_000 and fp32 == 1_313_000_000
+    assert saved == 6 * 643_000_000 + 4 * 1_313_000_000
+    o2 = next(a for a in model.advise(b) if a.feature == "O2 mixed precision")
+    assert o2.gain_s == pytest.approx(saved / 2.5e12 * (1 - 0.05))  # the GPU busy 95%
+    assert o2.trial == "o2" and "aiak.amp.decorate" in o2.use
+    assert "weight casts" in o2.not_helps
+
+
+def test_o2_is_not_advised_where_it_changes_no_bytes_or_is_on():
+    facts = {"autocast": "cuda:float16"}
+    # ResNet-like: the input image is the one activation cast; everything else is half
+    resnet = {"forward": [19_267_584 + 25_000_000, 25_000_000, 100], "backward": [25_000_000, 0, 0]}
+    b = model.breakdown([_cuda([_RESNET_HOST] * 10, _RESNET_GPU, facts, amp=resnet, **_SGD)])
+    assert "O2 mixed precision" not in [a.feature for a in model.advise(b)]
+    decorated = model.breakdown(
+        [_cuda([_SWIN_HOST] * 10, _SWIN_GPU, facts, amp=_AMP, aiak_o2=True)]
+    )
+    assert "O2 mixed precision" not in [a.feature for a in model.advise(decorated)]
+    tried = {**facts, "trials": {"o2": "applied"}}
+    b = model.breakdown([_cuda([_SWIN_HOST] * 10, _SWIN_GPU, tried, amp=_AMP)])
+    assert "O2 mixed precision" not in [a.feature for a in model.advise(b)]
+
+
+def test_o2_without_a_copy_rate_is_advised_unestimated():
+    facts = {"autocast": "cuda:bfloat16"}
+    b = model.breakdown([_cuda([_SWIN_HOST] * 10, _SWIN_GPU, facts, amp=_AMP, copy=0.0)])
+    o2 = next(a for a in model.advise(b) if a.feature == "O2 mixed precision")
+    assert o2.gain_s is None and "no copy rate" in o2.why
+
+
+@pytest.mark.parametrize(
+    ("sdpa", "per_score"),
+    [
+        (0, 190 * (1 - 1 / 3.08)),  # timm's eager maths: 6.8 ms of 54 saved
+        (12, 135 * (1 - 1 / 2.28)),  # timm's fused_attn (SDPA): 4.0 ms
+        (6, (190 * (1 - 1 / 3.08) + 135 * (1 - 1 / 2.28)) / 2),
+    ],
+)
+def test_window_attention_is_advised_from_its_score_elements(sdpa, per_score):
+    wa = {"modules": 12, "sdpa": sdpa, "fused": 0, "dropout": 0, "scores": 140_000_000}
+    b = model.breakdown([_cuda([_SWIN_HOST] * 10, _SWIN_GPU, {"window_attention": wa})])
+    advice = model.advise(b)
+    fused = next(a for a in advice if a.feature == "fused window attention")
+    assert fused.gain_s == pytest.approx(140_000_000 * per_score / 2.5e12 * 0.95)
+    assert fused.trial == "swin-convert" and "swin.convert(model)" in fused.use
+    assert advice[0] is fused  # the largest estimated gain here
+
+
+@pytest.mark.parametrize(
+    ("wa", "cuda", "advised"),
+    [
+        ({"modules": 0, "fused": 12, "dropout": 0, "scores": 0}, True, False),  # converted
+        ({"modules": 12, "fused": 0, "dropout": 0, "scores": 10**8}, False, False),  # CPU
+    ],
+)
+def test_window_attention_not_advised_when_fused_or_on_cpu(wa, cuda, advised):
+    r = _cuda([_SWIN_HOST] * 10, _SWIN_GPU, {"window_attention": wa})
+    r["cuda"] = cuda
+    b = model.breakdown([r])
+    assert ("fused window attention" in [a.feature for a in model.advise(b)]) == advised
+
+
+def test_window_attention_without_counted_scores_is_unestimated_with_the_reason():
+    wa = {"modules": 12, "fused": 0, "dropout": 0, "scores": 0}
+    b = model.breakdown([_cuda([_SWIN_HOST] * 10, _SWIN_GPU, {"window_attention": wa})])
+    fused = next(a for a in model.advise(b) if a.feature == "fused window attention")
+    assert fused.gain_s is None and "no score elements were counted" in fused.why

@@ -122,3 +122,23 @@ def test_gpu_optimizer_bound_fused_optimizer_first_and_verified():
     assert fused and doc["advice"][0]["feature"] == "fused optimizer"
     v = doc["verify"]
     assert v["how"] == "aiakrun --fuse-optimizer" and v["after_s"] < v["before_s"], v
+
+
+@pytest.mark.cuda
+def test_gpu_bound_o1_step_is_attributed_on_the_gpus_clock_and_gets_o2():
+    doc = _advise("gpu_amp", "-np", "1", "--nccl", steps=12, script=("--steps", "60"))
+    b = doc["breakdown"]
+    assert b["clock"] == "gpu" and b["bottleneck"] == "compute", b
+    # the host's wait in GradScaler.step's .item() is the backward's GPU work, not "other"
+    assert b["other"] < 0.2 * b["step"], b
+    assert b["host_s"]["backward"] < b["backward"], b
+    opt = doc["facts"]["optimizer"]
+    assert opt["grad_scaler"] and not opt["amp_scaling"] and doc["facts"]["opt_queue_empty"] > 0.5
+    assert doc["facts"]["rates"]["copy_Bps"] > 1e11
+    features = {a["feature"]: a for a in doc["advice"]}
+    # six fp32 LayerNorms between fp16 matmuls: O2 has bytes to save, estimated
+    assert features["O2 mixed precision"]["gain"] is not None
+    assert features["fused optimizer"]["gain"] is not None
+    v = doc["verify"]
+    assert v["feature"] == doc["advice"][0]["feature"] and "after_s" in v, v
+    assert v["after_s"] < v["before_s"], v
