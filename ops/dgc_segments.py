@@ -95,8 +95,8 @@ def dgc_segments_plan(
             raise TypeError(f"dgc_segments_plan: {name} must be a float, got {type(v).__name__}")
     if not 0.0 < ratio <= 1.0:
         raise ValueError(f"dgc_segments_plan: ratio must be in (0, 1], got {ratio}")
-    if not sample_ratio > 0.0:  # also rejects NaN
-        raise ValueError(f"dgc_segments_plan: sample_ratio must be > 0, got {sample_ratio}")
+    if not sample_ratio >= 0.0:  # also rejects NaN; values below 0.01 count as 0.01
+        raise ValueError(f"dgc_segments_plan: sample_ratio must be >= 0, got {sample_ratio}")
     rows = []
     out_off = sample_off = 0
     for i, (n, start) in enumerate(zip(lengths, starts)):

@@ -111,8 +111,8 @@ def test_plan_rows_by_hand() -> None:
 )
 def test_plan_matches_the_formula(lengths, ratio, sample_ratio) -> None:
     starts = list(np.cumsum([0, *lengths[:-1]]))
-    got = dgc_segments_plan(lengths, [int(s) for s in starts], ratio, max(sample_ratio, 1e-9))
-    assert got.tolist() == plan_rows(lengths, starts, ratio, max(sample_ratio, 1e-9))
+    got = dgc_segments_plan(lengths, [int(s) for s in starts], ratio, sample_ratio)
+    assert got.tolist() == plan_rows(lengths, starts, ratio, sample_ratio)
     for _start, n, k, _, m, ks, stride, _ in got.tolist():
         assert 1 <= k <= n and 1 <= ks <= m <= n
         assert (m == n) == (stride == 1)
@@ -219,6 +219,8 @@ def test_bad_plans_raise() -> None:
         dgc_segments_plan([1, 2], [0], 0.1, 0.1)
     with pytest.raises(ValueError, match="ratio"):
         dgc_segments_plan([10], [0], 0.0, 0.1)
+    with pytest.raises(ValueError, match="sample_ratio"):
+        dgc_segments_plan([10], [0], 0.1, float("nan"))
     with pytest.raises(ValueError, match="n >= 1"):
         dgc_segments_plan([0], [0], 0.1, 0.1)
     with pytest.raises(TypeError, match="lengths"):
