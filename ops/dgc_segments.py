@@ -120,12 +120,13 @@ def dgc_segments_plan(
 class HostPlan:
     """A checked plan on the host: its rows and totals (K = sum k, M = sum m)."""
 
-    __slots__ = ("K", "M", "__weakref__", "cache", "rows")
+    __slots__ = ("K", "M", "__weakref__", "cache", "end", "rows")
 
     def __init__(self, rows: list[list[int]]) -> None:
         self.rows = rows
         self.K = sum(r[K] for r in rows)
         self.M = sum(r[M] for r in rows)
+        self.end = max((r[START] + r[N] for r in rows), default=0)  # x must reach it
         self.cache: dict[Any, Any] = {}  # the CUDA launcher's per-plan device tables
 
 
@@ -166,8 +167,8 @@ def host_plan(table: torch.Tensor, numel: int) -> HostPlan:
         ref = weakref.ref(table, lambda _r, key=key: _forget(key, _r))
         with _plans_lock:
             _plans[key] = (ref, table._version, plan)
-    if plan.rows and plan.rows[-1][START] + plan.rows[-1][N] > numel:
-        _check_rows(plan.rows, numel)  # the same table with a shorter x: raise
+    if plan.end > numel:
+        _check_rows(plan.rows, numel)  # a known table with a shorter x: raises
     return plan
 
 
