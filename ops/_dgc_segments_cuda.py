@@ -7,6 +7,7 @@ device table of block prefixes built once.
 
 from __future__ import annotations
 
+import struct
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -106,7 +107,11 @@ def _workspace(dev: torch.device, S: int, T: int) -> torch.Tensor:
 
 
 def _fp32(v: float) -> float:
-    return float(torch.tensor(v, dtype=torch.float64).float())
+    """``v`` rounded to fp32 (to nearest; the checks keep ``upper`` below fp32's maximum)."""
+    return _F32.unpack(_F32.pack(v))[0]
+
+
+_F32 = struct.Struct("@f")
 
 
 def launch_segments(args: tuple, plan: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -95,8 +95,8 @@ def dgc_segments_plan(
             raise TypeError(f"dgc_segments_plan: {name} must be a float, got {type(v).__name__}")
     if not 0.0 < ratio <= 1.0:
         raise ValueError(f"dgc_segments_plan: ratio must be in (0, 1], got {ratio}")
-    if not sample_ratio > 0.0:  # also rejects NaN
-        raise ValueError(f"dgc_segments_plan: sample_ratio must be > 0, got {sample_ratio}")
+    if not sample_ratio >= 0.0:  # also rejects NaN; values below 0.01 count as 0.01
+        raise ValueError(f"dgc_segments_plan: sample_ratio must be >= 0, got {sample_ratio}")
     rows = []
     out_off = sample_off = 0
     for i, (n, start) in enumerate(zip(lengths, starts)):
@@ -120,12 +120,13 @@ def dgc_segments_plan(
 class HostPlan:
     """A checked plan on the host: its rows and totals (K = sum k, M = sum m)."""
 
-    __slots__ = ("K", "M", "__weakref__", "cache", "rows")
+    __slots__ = ("K", "M", "__weakref__", "cache", "end", "rows")
 
     def __init__(self, rows: list[list[int]]) -> None:
         self.rows = rows
         self.K = sum(r[K] for r in rows)
         self.M = sum(r[M] for r in rows)
+        self.end = max((r[START] + r[N] for r in rows), default=0)  # x must reach it
         self.cache: dict[Any, Any] = {}  # the CUDA launcher's per-plan device tables
 
 
@@ -166,8 +167,8 @@ def host_plan(table: torch.Tensor, numel: int) -> HostPlan:
         ref = weakref.ref(table, lambda _r, key=key: _forget(key, _r))
         with _plans_lock:
             _plans[key] = (ref, table._version, plan)
-    if plan.rows and plan.rows[-1][START] + plan.rows[-1][N] > numel:
-        _check_rows(plan.rows, numel)  # the same table with a shorter x: raise
+    if plan.end > numel:
+        _check_rows(plan.rows, numel)  # a known table with a shorter x: raises
     return plan
 
 

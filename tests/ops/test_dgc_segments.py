@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import aiak.ops  # noqa: F401
-from aiak.ops.dgc_segments import dgc_segments_plan, dgc_segments_select
+from aiak.ops.dgc_segments import dgc_segments_plan, dgc_segments_select, host_plan
 
 
 def _data(n: int, kind: str, seed: int) -> torch.Tensor:
@@ -111,8 +111,8 @@ def test_plan_rows_by_hand() -> None:
 )
 def test_plan_matches_the_formula(lengths, ratio, sample_ratio) -> None:
     starts = list(np.cumsum([0, *lengths[:-1]]))
-    got = dgc_segments_plan(lengths, [int(s) for s in starts], ratio, max(sample_ratio, 1e-9))
-    assert got.tolist() == plan_rows(lengths, starts, ratio, max(sample_ratio, 1e-9))
+    got = dgc_segments_plan(lengths, [int(s) for s in starts], ratio, sample_ratio)
+    assert got.tolist() == plan_rows(lengths, starts, ratio, sample_ratio)
     for _start, n, k, _, m, ks, stride, _ in got.tolist():
         assert 1 <= k <= n and 1 <= ks <= m <= n
         assert (m == n) == (stride == 1)
@@ -219,6 +219,8 @@ def test_bad_plans_raise() -> None:
         dgc_segments_plan([1, 2], [0], 0.1, 0.1)
     with pytest.raises(ValueError, match="ratio"):
         dgc_segments_plan([10], [0], 0.0, 0.1)
+    with pytest.raises(ValueError, match="sample_ratio"):
+        dgc_segments_plan([10], [0], 0.1, float("nan"))
     with pytest.raises(ValueError, match="n >= 1"):
         dgc_segments_plan([0], [0], 0.1, 0.1)
     with pytest.raises(TypeError, match="lengths"):
@@ -227,6 +229,11 @@ def test_bad_plans_raise() -> None:
     table[1, 3] += 1  # out_off not cumulative
     with pytest.raises(ValueError, match="cumulative"):
         dgc_segments_select(torch.randn(100), table, torch.zeros(2, dtype=torch.int64))
+    table = dgc_segments_plan([40, 30], [50, 0], 0.1, 0.01)  # not in order: the first ends last
+    plan = host_plan(table, 100)
+    assert plan.K == 7 and plan.end == 90
+    with pytest.raises(ValueError, match="not inside x"):
+        host_plan(table, 89)
     table = dgc_segments_plan([40], [-1 + 1], 0.1, 0.01)
     table[0, 0] = -1  # start out of range
     with pytest.raises(ValueError, match="not inside x"):
@@ -374,3 +381,23 @@ def test_cuda_calls_back_to_back_between_torch_kernels(programmatic) -> None:
         ev, ei = want[r % 3]
         np.testing.assert_array_equal(i.cpu().numpy(), ei)
         np.testing.assert_array_equal(v.double().cpu().numpy(), ev)
+
+
+@pytest.mark.cuda
+def test_cuda_table_host_copy_follows_the_tensor_and_its_version() -> None:
+    from aiak.ops import dgc_segments as ds
+
+    lengths, starts = [20_000, 9_000], [0, 20_000]
+    x = _data(29_000, "heavy", 4)
+    s0 = torch.zeros(2, dtype=torch.int64)
+    table = dgc_segments_plan(lengths, starts, 0.01, 0.01).cuda()
+    for ratio in (0.01, 0.001):  # rewritten in place: a new version, a new host copy
+        table.copy_(dgc_segments_plan(lengths, starts, ratio, 0.01))
+        v, i = dgc_segments_select(x.cuda(), table, s0.cuda())
+        rows = table.tolist()
+        ev, ei = select(x.numpy(), rows, [0, 0], None, 1.3, 0.8, 10, True)
+        np.testing.assert_array_equal(i.cpu().numpy(), ei)
+        np.testing.assert_array_equal(v.double().cpu().numpy(), ev)
+        assert ds.host_plan(table, x.numel()).rows == rows
+    with pytest.raises(ValueError, match="not inside x"):
+        dgc_segments_select(x[:28_999].cuda(), table, s0.cuda())
