@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import bench_dgc_hook  # noqa: E402
+import bench_dgc_hook
 
 
 def main() -> None:
@@ -65,7 +65,9 @@ def main() -> None:
                 step()
                 torch.cuda.synchronize()
             ev = prof.key_averages()
-            print(ev.table(sort_by="self_cpu_time_total", row_limit=a.top, max_name_column_width=60))
+            print(
+                ev.table(sort_by="self_cpu_time_total", row_limit=a.top, max_name_column_width=56)
+            )
     finally:
         comm.shutdown()
         if dist.is_initialized():
