@@ -140,14 +140,9 @@ def kill_left(ns: tuple[str, ...]) -> None:
                 os.kill(int(pid), signal.SIGKILL)
 
 
-def run_mode(args, mode: str, shell: str, tmp: Path, port: int) -> list[dict]:
-    out = tmp / f"{mode}.json"
-    hosts = ",".join(f"{ns}={addr}:{args.per_node}" for ns, addr in zip(NS, ADDR))
-    argv = [sys.executable, "-m", "aiak.launch.run", "-H", hosts, "--remote-shell", shell]
-    argv += ["--rdzv-timeout", "120", *MODES[mode], "--", sys.executable, str(WORKER)]
-    argv += ["--models", args.models, "--steps", str(args.steps), "--out", str(out)]
-    argv += ["--warmup", str(args.warmup), "--optimizer", MODE_OPTIMIZER.get(mode, "sgd")]
-    # The node's own settings come from its remote shell; none may arrive from here.
+def job_env(port: int) -> dict[str, str]:
+    """aiakrun's environment for a job over the nodes: no aiak feature variable, none of a
+    node's own settings (its remote shell sets those), multicast off."""
     own = ("CUDA_VISIBLE_DEVICES", "NCCL_HOSTID", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
     env = {
         k: v
@@ -156,6 +151,17 @@ def run_mode(args, mode: str, shell: str, tmp: Path, port: int) -> list[dict]:
     }
     env.update(PERSEUS_MASTER_PORT=str(port), OMP_NUM_THREADS="1", GLOO_TIMEOUT_SECONDS="120")
     env.update(NO_MULTICAST)
+    return env
+
+
+def run_mode(args, mode: str, shell: str, tmp: Path, port: int) -> list[dict]:
+    out = tmp / f"{mode}.json"
+    hosts = ",".join(f"{ns}={addr}:{args.per_node}" for ns, addr in zip(NS, ADDR))
+    argv = [sys.executable, "-m", "aiak.launch.run", "-H", hosts, "--remote-shell", shell]
+    argv += ["--rdzv-timeout", "120", *MODES[mode], "--", sys.executable, str(WORKER)]
+    argv += ["--models", args.models, "--steps", str(args.steps), "--out", str(out)]
+    argv += ["--warmup", str(args.warmup), "--optimizer", MODE_OPTIMIZER.get(mode, "sgd")]
+    env = job_env(port)
     env.update(MODE_ENV.get(mode, {}))
     log = tmp / f"{mode}.log"
     with log.open("w") as f:
@@ -188,14 +194,7 @@ def run_advise(args, shell: str, tmp: Path, port: int) -> int:
     # the worker's timed steps follow its warm-up and checked steps; the probe measures 12 of
     # them after its 5 of warm-up, before the worker's optimizer-only steps
     argv += ["--steps", "30", "--warmup", "2", "--out", str(tmp / "advise-rows.json")]
-    own = ("CUDA_VISIBLE_DEVICES", "NCCL_HOSTID", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("AIAK_", "PERSEUS_")) and k not in own
-    }
-    env.update(PERSEUS_MASTER_PORT=str(port), OMP_NUM_THREADS="1", GLOO_TIMEOUT_SECONDS="120")
-    env.update(NO_MULTICAST)
+    env = job_env(port)
     proc = subprocess.run(
         argv, env=env, capture_output=True, text=True, timeout=3 * args.limit, check=False
     )
@@ -320,6 +319,9 @@ def main() -> int:
         sys.exit("bench_comm_nodes: --per-node must be >= 1")
     if os.geteuid() != 0:
         sys.exit("bench_comm_nodes: needs root (ip netns, veth, tc)")
+    bundle = Path(__file__).resolve().parents[1] / ".iproute2"  # scripts/iproute2-bundle
+    if (bundle / "ip").exists():
+        os.environ["PATH"] = f"{bundle}{os.pathsep}{os.environ.get('PATH', '')}"
     gpus, device = _devices()
     if gpus and gpus < nodes * args.per_node:
         sys.exit(

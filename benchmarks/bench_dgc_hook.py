@@ -37,24 +37,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from aiak.conformance.shapes import resnet50_shapes
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-
-def resnet50_shapes(shrink: int = 1) -> list[tuple[int, ...]]:
-    """torchvision's ResNet-50 parameters, in its order: 161 tensors, 25.6 M elements
-    (``shrink``: every width divided by it, the same 161 tensors)."""
-    s = shrink
-    shapes: list[tuple[int, ...]] = [(64 // s, 3, 7, 7), (64 // s,), (64 // s,)]
-    cin = 64 // s
-    for width, blocks in ((64 // s, 3), (128 // s, 4), (256 // s, 6), (512 // s, 3)):
-        for b in range(blocks):
-            shapes += [(width, cin, 1, 1), (width,), (width,)]
-            shapes += [(width, width, 3, 3), (width,), (width,)]
-            shapes += [(4 * width, width, 1, 1), (4 * width,), (4 * width,)]
-            if b == 0:
-                shapes += [(4 * width, cin, 1, 1), (4 * width,), (4 * width,)]
-            cin = 4 * width
-    return [*shapes, (1000 // s, 2048 // s), (1000 // s,)]
 
 
 class Shapes(nn.Module):

@@ -35,6 +35,7 @@ import torch
 from _harness import append_csv, copy_bandwidth, print_table, time_eager, time_graph
 
 import aiak.ops  # noqa: F401
+from aiak.conformance.shapes import RESNET50
 from aiak.ops import _driver
 from aiak.ops.dgc_segments import dgc_segments_plan, dgc_segments_select
 from aiak.ops.dgc_segments import launches_per_call as segment_launches
@@ -128,20 +129,6 @@ def bench_select(n: int, ratio: float) -> dict:
     }
 
 
-def resnet50_numels() -> list[int]:
-    """The numel of each of ResNet-50's 161 parameters, in torchvision's order."""
-    out = [64 * 3 * 7 * 7, 64, 64]
-    inplanes = 64
-    for planes, blocks in ((64, 3), (128, 4), (256, 6), (512, 3)):
-        for b in range(blocks):
-            out += [planes * inplanes, planes, planes, planes * planes * 9, planes, planes]
-            out += [4 * planes * planes, 4 * planes, 4 * planes]
-            if b == 0:
-                out += [4 * planes * inplanes, 4 * planes, 4 * planes]
-            inplanes = 4 * planes
-    return [*out, 1000 * 2048, 1000]
-
-
 def host_ms(fn, calls: int = 50) -> float:
     """Host milliseconds per call of ``fn`` (its return; the GPU is not waited for)."""
     import time
@@ -158,7 +145,7 @@ def host_ms(fn, calls: int = 50) -> float:
 
 
 def bench_segments(ratio: float) -> dict:
-    lengths = resnet50_numels()
+    lengths = [math.prod(shape) for shape in RESNET50]
     starts = [0]
     for n in lengths[:-1]:
         starts.append(starts[-1] + n)

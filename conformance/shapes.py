@@ -22,11 +22,13 @@ def _bert_large() -> list[tuple[int, ...]]:
     return shapes
 
 
-def _resnet50() -> list[tuple[int, ...]]:
-    """ResNet-50's 161 parameter shapes (25.6M parameters)."""
-    shapes: list[tuple[int, ...]] = [(64, 3, 7, 7), (64,), (64,)]
-    cin = 64
-    for width, blocks in ((64, 3), (128, 4), (256, 6), (512, 3)):
+def resnet50_shapes(shrink: int = 1) -> list[tuple[int, ...]]:
+    """torchvision ResNet-50's 161 parameter shapes, in its order (25.6M parameters);
+    ``shrink``: every width divided by it, the same 161 tensors."""
+    s = shrink
+    shapes: list[tuple[int, ...]] = [(64 // s, 3, 7, 7), (64 // s,), (64 // s,)]
+    cin = 64 // s
+    for width, blocks in ((64 // s, 3), (128 // s, 4), (256 // s, 6), (512 // s, 3)):
         for b in range(blocks):
             shapes += [(width, cin, 1, 1), (width,), (width,)]
             shapes += [(width, width, 3, 3), (width,), (width,)]
@@ -34,12 +36,11 @@ def _resnet50() -> list[tuple[int, ...]]:
             if b == 0:
                 shapes += [(4 * width, cin, 1, 1), (4 * width,), (4 * width,)]
             cin = 4 * width
-    shapes += [(1000, 2048), (1000,)]
-    return shapes
+    return [*shapes, (1000 // s, 2048 // s), (1000 // s,)]
 
 
 BERT_LARGE: list[tuple[int, ...]] = _bert_large()
-RESNET50: list[tuple[int, ...]] = _resnet50()
+RESNET50: list[tuple[int, ...]] = resnet50_shapes()
 
 
 def numel(shapes: list[tuple[int, ...]]) -> int:

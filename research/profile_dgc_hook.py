@@ -23,6 +23,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_dgc_hook
 
+from aiak.conformance.shapes import resnet50_shapes
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -35,7 +37,7 @@ def main() -> None:
     torch.cuda.set_device(dev)
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29561")
     dist.init_process_group("nccl")
-    shapes = bench_dgc_hook.resnet50_shapes(1)
+    shapes = resnet50_shapes()
     weights = [torch.randn(s, device=dev) for s in shapes]
     try:
         for name in ("allreduce", "dgc"):

@@ -8,27 +8,15 @@ patterns: exact, no rounding). Candidate: the op on the device. Baseline: the pe
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
 import aiak.ops  # noqa: F401 - registers torch.ops.aiak.*
 from aiak.conformance.harness import Case, Spec, register
+from aiak.conformance.shapes import RESNET50
 from aiak.ops.dgc_segments import dgc_segments_plan
-
-
-def _resnet50_numels() -> list[int]:
-    out = [64 * 3 * 7 * 7, 64, 64]
-    inplanes = 64
-    for planes, blocks in ((64, 3), (128, 4), (256, 6), (512, 3)):
-        for b in range(blocks):
-            out += [planes * inplanes, planes, planes, planes * planes * 9, planes, planes]
-            out += [4 * planes * planes, 4 * planes, 4 * planes]
-            if b == 0:
-                out += [4 * planes * inplanes, 4 * planes, 4 * planes]
-            inplanes = 4 * planes
-    return [*out, 1000 * 2048, 1000]
-
 
 # (label, lengths, ratio, resample, uniform sampling)
 _BUCKETS = (
@@ -55,7 +43,7 @@ def _specs(device: torch.device) -> list[Spec]:
 
 def _inputs(spec: Spec, device: torch.device, gen: torch.Generator) -> dict[str, Any]:
     p = spec.params
-    lengths = p["lengths"] or _resnet50_numels()
+    lengths = p["lengths"] or [math.prod(shape) for shape in RESNET50]
     starts, pos = [], 0
     for j, n in enumerate(lengths):
         pos += j % 3  # gaps: a bucket's dense tensors between the segments

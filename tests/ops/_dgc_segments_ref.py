@@ -79,17 +79,3 @@ def select(x, rows, s0s, sample_indices, upper, lower, iters, resample):
         indices[out_off : out_off + sel.size] = sel + start
         values[out_off : out_off + sel.size] = x[sel + start].astype(np.float64)
     return values, indices
-
-
-def resnet50_numels():
-    """The numel of each of ResNet-50's 161 parameters, in torchvision's order."""
-    out = [64 * 3 * 7 * 7, 64, 64]
-    inplanes = 64
-    for planes, blocks in ((64, 3), (128, 4), (256, 6), (512, 3)):
-        for b in range(blocks):
-            out += [planes * inplanes, planes, planes, planes * planes * 9, planes, planes]
-            out += [4 * planes * planes, 4 * planes, 4 * planes]
-            if b == 0:
-                out += [4 * planes * inplanes, 4 * planes, 4 * planes]
-            inplanes = 4 * planes
-    return [*out, 1000 * 2048, 1000]

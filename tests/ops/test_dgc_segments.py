@@ -3,15 +3,20 @@ DGC's per-segment selection written in numpy (tests/ops/_dgc_segments_ref.py); e
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
-from _dgc_segments_ref import plan_rows, resnet50_numels, select
+from _dgc_segments_ref import plan_rows, select
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import aiak.ops  # noqa: F401
+from aiak.conformance.shapes import RESNET50
 from aiak.ops.dgc_segments import dgc_segments_plan, dgc_segments_select, host_plan
+
+RESNET50_NUMELS = [math.prod(shape) for shape in RESNET50]
 
 
 def _data(n: int, kind: str, seed: int) -> torch.Tensor:
@@ -170,7 +175,7 @@ def test_k_equals_n_padding_and_special_values() -> None:
 
 
 def test_resnet50_bucket_on_cpu() -> None:
-    lengths = resnet50_numels()
+    lengths = RESNET50_NUMELS
     starts, size = _layout(lengths, [0] * len(lengths))
     x = _data(size, "heavy", 50)
     _run(x, lengths, starts, 0.001, 0.01, 5, False, 1.3, 0.8, 10, True, "cpu")
@@ -265,7 +270,7 @@ def test_launches_are_fixed_whatever_the_number_of_segments(
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
 
     tile, samp = cu._TILE, cu._SAMP
-    for lengths in ([5000], [1, 4096, 4097, 9000, 2304, 70_000, 3], resnet50_numels()):
+    for lengths in ([5000], [1, 4096, 4097, 9000, 2304, 70_000, 3], RESNET50_NUMELS):
         starts, size = _layout(lengths, [1] * len(lengths))
         x = torch.zeros(size)
         table = dgc_segments_plan(lengths, starts, 0.001, 0.01)
@@ -322,7 +327,7 @@ def test_cuda_kernel_matches_the_reference(kind, lengths) -> None:
 @pytest.mark.parametrize("uniform", [False, True])
 @pytest.mark.parametrize("ratio", [0.001, 0.01])
 def test_cuda_resnet50_bucket_matches_the_reference(resample, uniform, ratio) -> None:
-    lengths = resnet50_numels()
+    lengths = RESNET50_NUMELS
     starts, size = _layout(lengths, [0] * len(lengths))
     for kind in ("heavy", "normal", "ties"):
         x = _data(size, kind, 50)
@@ -359,7 +364,7 @@ def test_cuda_calls_back_to_back_between_torch_kernels(programmatic) -> None:
     kernels that rewrite x right before and right after every call must not leak into it."""
     from aiak.ops import _driver
 
-    lengths = resnet50_numels()[:40]
+    lengths = RESNET50_NUMELS[:40]
     starts, size = _layout(lengths, [2] * len(lengths))
     rows = dgc_segments_plan(lengths, starts, 0.001, 0.01)
     table, s0 = rows.cuda(), torch.ones(len(lengths), dtype=torch.int64, device="cuda")
