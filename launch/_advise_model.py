@@ -45,8 +45,9 @@ class Breakdown:
     facts: Mapping[str, Any]
     ranks: int
     steps: int
-    # "gpu": data, forward, backward and optimizer are intervals between CUDA events recorded
-    # at their boundaries (the GPU's clock); "host": host time (the CPU, or CUDA without events)
+    # "gpu": data, forward, backward, optimizer and (where the comm hooks recorded events)
+    # comm are intervals between CUDA events recorded at their boundaries (the GPU's clock);
+    # "host": host time (the CPU, or CUDA without events)
     clock: str = "host"
     host_s: Mapping[str, float] = dataclasses.field(default_factory=dict)  # host times
 
@@ -221,13 +222,16 @@ def breakdown(reports: Sequence[Mapping[str, Any]]) -> Breakdown:
 
 def _on_gpu_clock(rec: Mapping[str, Any]) -> dict[str, float]:
     """A step's phases on the GPU's clock; the step itself stays the host's (they agree over
-    several steps: the GPU finishes one step per step). The exposed comm stays the host's,
-    bounded by the backward's GPU interval, which waits for it."""
+    several steps: the GPU finishes one step per step). The exposed comm is the GPU's too
+    (the comm hooks' events: from the last hook's call to the backward's end, the compute
+    stream waits for the communication); a report without it keeps the host's. Either is
+    bounded by the backward's GPU interval, which contains it."""
     g = rec["gpu"]
     out = {k: float(g.get(k, 0.0)) for k in ("data", "data_epoch_start", "forward", "backward")}
     out["optimizer"] = float(g.get("optimizer", 0.0))
     out["step"] = float(rec.get("step", 0.0))
-    out["comm"] = min(float(rec.get("comm", 0.0)), out["backward"])
+    comm = g["comm"] if "comm" in g else rec.get("comm", 0.0)
+    out["comm"] = min(float(comm), out["backward"])
     return out
 
 
