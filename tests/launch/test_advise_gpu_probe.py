@@ -233,6 +233,64 @@ def test_gpu_clock_takes_exposed_comm_from_the_hooks_events_not_the_host(
     assert b.comm >= simulated and b.host_s["comm"] < LINK_WAIT
 
 
+@pytest.mark.cuda
+def test_on_a_gpu_the_compute_streams_wait_for_a_side_stream_collective_is_comm(
+    installed, tmp_path
+):
+    dev = torch.device("cuda", torch.cuda.current_device())
+    side = torch.cuda.Stream()
+    cycles = 20_000_000  # ~10-20 ms of torch.cuda._sleep, timed here: the link's stand-in
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    wait = start.elapsed_time(end) / 1e3
+
+    def link_like(state, bucket):
+        # NCCL as DDP sees it: the collective runs on its own stream once the gradients are
+        # there, and the future's value is ready once that stream has passed it
+        buf = bucket.buffer()
+        side.wait_stream(torch.cuda.current_stream())
+        fut = torch.futures.Future(devices=[dev])
+        with torch.cuda.stream(side):
+            if bucket.is_last():
+                torch.cuda._sleep(cycles)
+            fut.set_result(buf)
+        return fut
+
+    installed()
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        layers = [nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU()]
+        net = nn.parallel.DistributedDataParallel(
+            nn.Sequential(*layers, nn.Linear(512, 1)).to(dev), device_ids=[dev], bucket_cap_mb=1
+        )
+        net.register_comm_hook(None, link_like)
+        opt = torch.optim.SGD(net.parameters(), lr=0.01)
+        x, y = torch.randn(32, 512, device=dev), torch.randn(32, 1, device=dev)
+        with pytest.raises(_Stopped):
+            for _ in range(100):
+                loss = nn.functional.mse_loss(net(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                loss.item()  # the host waits for the GPU here, in the loop's code
+        del net, opt
+    finally:
+        dist.destroy_process_group()
+    doc = json.loads((tmp_path / "rank0.json").read_text())
+    assert doc["cuda"] and len(doc["records"]) == 4
+    for rec in doc["records"]:
+        # the host only queued the stand-in collective; the compute stream waited for it
+        assert rec["comm"] < wait / 2
+        assert 0.8 * wait <= rec["gpu"]["comm"] <= rec["gpu"]["backward"]
+    b = advise_model.breakdown([doc])
+    assert b.clock == "gpu" and b.comm >= 0.8 * wait
+
+
 class _Net(nn.Module):
     """Linear, an op on CPU autocast's fp32 list (mse_loss; on CUDA layer_norm and softmax
     are), Linear: what autocast casts around such an op."""
