@@ -45,8 +45,9 @@ class Breakdown:
     facts: Mapping[str, Any]
     ranks: int
     steps: int
-    # "gpu": data, forward, backward and optimizer are intervals between CUDA events recorded
-    # at their boundaries (the GPU's clock); "host": host time (the CPU, or CUDA without events)
+    # "gpu": data, forward, backward, optimizer and (where the comm hooks recorded events)
+    # comm are intervals between CUDA events recorded at their boundaries (the GPU's clock);
+    # "host": host time (the CPU, or CUDA without events)
     clock: str = "host"
     host_s: Mapping[str, float] = dataclasses.field(default_factory=dict)  # host times
 
@@ -76,6 +77,17 @@ class Breakdown:
         moved = int(self.facts.get("grad_bytes", 0)) * float(link["s_per_byte"])
         wait = max(0.0, self.comm - buckets * float(link["latency_s"]) - moved)
         return min(self.comm, moved), wait
+
+    def host_floor(self) -> float:
+        """The host's own work per step, a lower bound: its data, forward, backward and
+        optimizer times without the backward's exposed comm (the host's waits for the
+        communication). On the CPU it is the step less comm and "other"; on CUDA the GPU's
+        step cannot be shorter, whatever the link: the host must still queue the step."""
+        h = self.host_s
+        if not h:
+            return 0.0
+        work = sum(float(h.get(k, 0.0)) for k in ("data", "forward", "backward", "optimizer"))
+        return max(0.0, work - float(h.get("comm", 0.0)))
 
     def bottleneck(self) -> str:
         """The largest phase, named for what limits it: data, host, compute, link, ranks
@@ -221,13 +233,16 @@ def breakdown(reports: Sequence[Mapping[str, Any]]) -> Breakdown:
 
 def _on_gpu_clock(rec: Mapping[str, Any]) -> dict[str, float]:
     """A step's phases on the GPU's clock; the step itself stays the host's (they agree over
-    several steps: the GPU finishes one step per step). The exposed comm stays the host's,
-    bounded by the backward's GPU interval, which waits for it."""
+    several steps: the GPU finishes one step per step). The exposed comm is the GPU's too
+    (the comm hooks' events: from the last hook's call to the backward's end, the compute
+    stream waits for the communication); a report without it keeps the host's. Either is
+    bounded by the backward's GPU interval, which contains it."""
     g = rec["gpu"]
     out = {k: float(g.get(k, 0.0)) for k in ("data", "data_epoch_start", "forward", "backward")}
     out["optimizer"] = float(g.get("optimizer", 0.0))
     out["step"] = float(rec.get("step", 0.0))
-    out["comm"] = min(float(rec.get("comm", 0.0)), out["backward"])
+    comm = g["comm"] if "comm" in g else rec.get("comm", 0.0)
+    out["comm"] = min(float(comm), out["backward"])
     return out
 
 
@@ -447,6 +462,16 @@ def _comm(b: Breakdown, on: Mapping[str, str]) -> list[Advice]:
             )
         )
     c = moved  # compression and two levels shorten the bytes' part only
+    # nor the step below the host's own work: where the link hides a host nearly as slow,
+    # fewer bytes leave the host's time
+    room = max(0.0, b.step - b.host_floor())
+    if c > room:
+        floor = (
+            f"; at most {_ms(room)}: the host's own work is {_ms(b.host_floor())} of the "
+            f"{_ms(b.step)} step"
+        )
+    else:
+        floor = ""
     local = max(1, int(b.facts.get("local_world", 1)))
     nodes = max(1, world // local)
     if nodes > 1 and local > 1 and on.get("AIAK_HIERARCHICAL_ALLREDUCE") != "1":
@@ -460,10 +485,11 @@ def _comm(b: Breakdown, on: Mapping[str, str]) -> list[Advice]:
                 "hierarchical allreduce",
                 True,
                 "comm",
-                c * (1 - ratio),
+                min(room, c * (1 - ratio)),
                 f"{nodes} nodes of {local}: a flat ring sends {flat:.2f} x the gradients through "
                 f"each node's link per step; two levels send {two:.2f} x (the intra-node "
-                f"reduce-scatter leaves each of the {local} ranks 1/{local} to exchange)",
+                f"reduce-scatter leaves each of the {local} ranks 1/{local} to exchange)"
+                + (floor if c * (1 - ratio) > room else ""),
                 "aiakrun --hierarchical-allreduce",
                 "a job on one node; the intra-node links",
                 flags=("--hierarchical-allreduce",),
@@ -478,10 +504,11 @@ def _comm(b: Breakdown, on: Mapping[str, str]) -> list[Advice]:
                 "fp16 gradient compression",
                 True,
                 "comm",
-                c * 0.5,
+                min(room, c * 0.5),
                 f"{_ms(c)} per step of the communication the backward does not hide moves "
                 f"bytes{' (at the measured link rate)' if link else ' (assumed: no link rate)'}; "
-                f"{mib:.1f} MiB of fp32 gradients go on the wire as fp16: half the bytes",
+                f"{mib:.1f} MiB of fp32 gradients go on the wire as fp16: half the bytes"
+                + (floor if c * 0.5 > room else ""),
                 "aiakrun --fp16-compression",
                 "latency-bound exchanges of small buckets; the backward itself",
                 flags=("--fp16-compression",),
@@ -495,8 +522,9 @@ def _comm(b: Breakdown, on: Mapping[str, str]) -> list[Advice]:
                 "PowerSGD (rank 2)",
                 True,
                 "comm",
-                c * (1 - ratio),
-                f"rank-2 factors of the weight matrices send {ratio:.3f} x the gradient bytes",
+                min(room, c * (1 - ratio)),
+                f"rank-2 factors of the weight matrices send {ratio:.3f} x the gradient bytes"
+                + (floor if c * (1 - ratio) > room else ""),
                 "aiakrun --powersgd --rank 2  (compression starts at --start-compress-iter, "
                 "default step 1000)",
                 "models of vectors and small matrices; it changes the update (error feedback)",
@@ -511,9 +539,11 @@ def _comm(b: Breakdown, on: Mapping[str, str]) -> list[Advice]:
                 "DGC",
                 True,
                 "comm",
-                c * (1 - ratio),
+                min(room, c * (1 - ratio)),
                 f"0.1% of the gradients (value + index) allgathered over {world} ranks: "
-                f"{ratio:.3f} x a dense ring's bytes",
+                f"{ratio:.3f} x a dense ring's bytes"
+                + (floor if c * (1 - ratio) > room else "")
+                + "; its selection's host time per bucket is not counted",
                 "aiakrun --dgc",
                 "non-SGD optimizers; it changes the update (momentum correction)",
                 flags=("--dgc",),

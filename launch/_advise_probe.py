@@ -20,7 +20,10 @@ an op with no work is calibrated at the end, so ``ops x cost`` is the host's sha
 With CUDA, the compute stream is sampled at each phase boundary: an empty queue while Python
 runs is the GPU waiting for the host. With CUDA each measured step also records an event at
 each phase boundary, read once the GPU has passed it: the phases on the GPU's clock, where a
-host blocked in a sync (``.item()``) does not move the GPU's work into the loop's "other".
+host blocked in a sync (``.item()``) does not move the GPU's work into the loop's "other". The
+comm hooks record events too: on that clock the exposed comm is the hooks' own intervals plus
+the span from the last hook's call (every gradient computed) to the backward's end (the compute
+stream waiting for the communication), which NCCL, queued by the host, hides from the host.
 After ``AIAK_ADVISE_WARMUP`` + ``AIAK_ADVISE_STEPS`` steps (or ``AIAK_ADVISE_SECONDS``), each
 rank writes ``rank<R>.json`` to ``AIAK_ADVISE_DIR``,
 stops its data-loader workers and exits with status 0; a script that ends first writes what it
@@ -118,6 +121,8 @@ class _Probe:
         self.last_hook_end = 0.0
         self.last_future = 0.0
         self.comm_hook = 0.0
+        # (start, end) events around each comm-hook call of this backward (the GPU's clock)
+        self.hook_events: list[tuple[Any, Any]] = []
 
     @staticmethod
     def _blank() -> dict[str, float]:
@@ -176,7 +181,7 @@ class _Probe:
                 return
             self.gpu_pending.pop(0)
             gpu = dict.fromkeys(("data", "data_epoch_start", "forward", "backward"), 0.0)
-            gpu["optimizer"] = 0.0
+            gpu["optimizer"] = gpu["comm"] = 0.0
             for phase, a, b in phases:
                 gpu[phase] += a.elapsed_time(b) / 1e3
             gpu["step"] = start.elapsed_time(end) / 1e3
@@ -272,12 +277,16 @@ class _Probe:
         ev = self.gpu_mark()
         self.buckets.clear()
         self.last_hook_end = self.last_future = self.comm_hook = 0.0
+        # hooks called outside a backward leave events nobody reads: recorded again later
+        self.event_pool.extend(e for pair in self.hook_events for e in pair)
+        self.hook_events = []
         _Phase.name = "backward"
         try:
             return run()
         finally:
             end = time.perf_counter()
-            self.gpu_phase("backward", ev)
+            if ev is not None:
+                self.gpu_backward(ev)
             _Phase.name = "other"
             self.cur["backward"] += end - t0
             if self.buckets:
@@ -287,13 +296,37 @@ class _Probe:
                 self.facts["grad_bytes"] = sum(self.buckets.values())
             self.sample_stream()
 
+    def gpu_backward(self, start: Any) -> None:
+        """The backward's interval on the GPU's clock, and inside it the exposed comm: each
+        comm hook's own interval (its work on the compute stream: casts, compression), and
+        from the last hook's call to the backward's end. DDP calls the hooks in bucket order,
+        the last once every gradient is computed; its backward then ends with the compute
+        stream waiting for every bucket's communication (the futures DDP waits for), so that
+        last interval is the communication the backward's work did not cover, however the
+        backend runs it (NCCL on its own stream, while the host only queues it)."""
+        end = self.event()
+        self.gpu_cur.append(("backward", start, end))
+        if not self.hook_events:
+            return
+        *covered, (last, spare) = self.hook_events
+        self.hook_events = []
+        self.gpu_cur.extend(("comm", a, b) for a, b in covered)
+        self.gpu_cur.append(("comm", last, end))
+        self.event_pool.append(spare)  # recorded, never read: free to record again
+
     def timed_hook(self, hook: Any) -> Any:
         probe = self
 
         # No annotations: DDP accepts a hook whose bucket is unannotated or a GradBucket.
+        # It runs on the backward's thread (on CUDA the autograd engine's device thread,
+        # whose current stream is the one the gradients are computed on): its events are on
+        # the compute stream.
         def advise_timed_hook(state, bucket):
             t0 = time.perf_counter()
+            ev = probe.gpu_mark()
             fut = hook(state, bucket)
+            if ev is not None:
+                probe.hook_events.append((ev, probe.event()))
             t1 = time.perf_counter()
             buf = bucket.buffer()
             probe.buckets[bucket.index()] = buf.numel() * buf.element_size()

@@ -86,7 +86,7 @@ def text(
             "  phases on the GPU's clock (CUDA events at their boundaries); the host's: "
             + " | ".join(
                 f"{p} {_ms(b.host_s.get(p, 0.0))}"
-                for p in ("data", "forward", "backward", "optimizer")
+                for p in ("data", "forward", "backward", "comm", "optimizer")
             ),
         )
     if run.get("incomplete_ranks"):

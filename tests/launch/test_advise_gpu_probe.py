@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import aiak.amp
+from aiak.launch import _advise_model as advise_model
 from aiak.launch import _advise_probe as probe_mod
 from aiak.launch import _advise_work as work
 
@@ -155,6 +157,138 @@ def test_gpu_clock_gives_each_measured_step_its_phases_from_events(
     assert not probe.gpu_pending
     assert doc["opt_samples"] == 4 and doc["opt_empty"] == 0
     assert doc["rates"]["copy_Bps"] == 2.5e12
+
+
+class _GpuClock:
+    """How far the stand-in compute stream runs behind the host (seconds, simulated)."""
+
+    lag = 0.0
+
+
+class _LaggedEvent(_Event):
+    """A stand-in event on a compute stream that runs ``_GpuClock.lag`` behind the host."""
+
+    def record(self) -> None:
+        super().record()
+        self.t += _GpuClock.lag
+
+
+# Simulated, not slept: each hook's own work on the compute stream (a compression's casts) and
+# the compute stream's wait, once every gradient is computed, for the link
+HOOK_WORK = 0.05
+LINK_WAIT = 0.5
+
+
+def _nccl_like(state, bucket):
+    """NCCL as the compute stream sees it: the host only queues the collective (the future is
+    complete at once), the stream runs the hook's own kernels, and after the last bucket the
+    backward's end waits for the link (a final callback of the backward moves the clock)."""
+    _GpuClock.lag += HOOK_WORK
+    if bucket.is_last():
+
+        def wait_for_link() -> None:
+            _GpuClock.lag += LINK_WAIT
+
+        torch.autograd.Variable._execution_engine.queue_callback(wait_for_link)
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+def test_gpu_clock_takes_exposed_comm_from_the_hooks_events_not_the_host(
+    installed, fake_cuda, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(torch.cuda, "Event", _LaggedEvent)
+    _GpuClock.lag = 0.0
+    probe = installed()
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        # 1 MiB buckets: DDP's rebuild after the first step gives the 1 MiB weights three
+        wide = [nn.Linear(4, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU()]
+        layers = [*wide, nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 1)]
+        net = nn.parallel.DistributedDataParallel(nn.Sequential(*layers), bucket_cap_mb=1)
+        net.register_comm_hook(None, _nccl_like)
+        with pytest.raises(_Stopped):
+            _train(net, 100)
+        del net
+    finally:
+        dist.destroy_process_group()
+    doc = json.loads((tmp_path / "rank0.json").read_text())
+    buckets = doc["facts"]["buckets"]
+    assert buckets >= 2
+    simulated = buckets * HOOK_WORK + LINK_WAIT
+    assert len(doc["records"]) == 4 and not probe.gpu_pending
+    for rec in doc["records"]:
+        gpu = rec["gpu"]
+        # the host sees the hooks' calls only: the wait happens on the (stand-in) GPU
+        assert rec["comm"] < LINK_WAIT
+        # on the GPU's clock: every hook's own work and the wait after the last one, plus the
+        # host's time in those spans (inside its backward; a margin for a loaded machine)
+        assert simulated <= gpu["comm"] <= simulated + rec["backward"] + 0.05
+        assert gpu["comm"] <= gpu["backward"]
+    b = advise_model.breakdown([doc])
+    assert b.clock == "gpu"
+    assert b.comm >= simulated and b.host_s["comm"] < LINK_WAIT
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_the_compute_streams_wait_for_a_side_stream_collective_is_comm(
+    installed, tmp_path
+):
+    dev = torch.device("cuda", torch.cuda.current_device())
+    side = torch.cuda.Stream()
+    cycles = 20_000_000  # ~10-20 ms of torch.cuda._sleep, timed here: the link's stand-in
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    wait = start.elapsed_time(end) / 1e3
+
+    def link_like(state, bucket):
+        # NCCL as DDP sees it: the collective runs on its own stream once the gradients are
+        # there, and the future's value is ready once that stream has passed it
+        buf = bucket.buffer()
+        side.wait_stream(torch.cuda.current_stream())
+        fut = torch.futures.Future(devices=[dev])
+        with torch.cuda.stream(side):
+            if bucket.is_last():
+                torch.cuda._sleep(cycles)
+            fut.set_result(buf)
+        return fut
+
+    installed()
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        layers = [nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU()]
+        net = nn.parallel.DistributedDataParallel(
+            nn.Sequential(*layers, nn.Linear(512, 1)).to(dev), device_ids=[dev], bucket_cap_mb=1
+        )
+        net.register_comm_hook(None, link_like)
+        opt = torch.optim.SGD(net.parameters(), lr=0.01)
+        x, y = torch.randn(32, 512, device=dev), torch.randn(32, 1, device=dev)
+        with pytest.raises(_Stopped):
+            for _ in range(100):
+                loss = nn.functional.mse_loss(net(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                loss.item()  # the host waits for the GPU here, in the loop's code
+        del net, opt
+    finally:
+        dist.destroy_process_group()
+    doc = json.loads((tmp_path / "rank0.json").read_text())
+    assert doc["cuda"] and len(doc["records"]) == 4
+    for rec in doc["records"]:
+        # the host only queued the stand-in collective; the compute stream waited for it
+        assert rec["comm"] < wait / 2
+        assert 0.8 * wait <= rec["gpu"]["comm"] <= rec["gpu"]["backward"]
+    b = advise_model.breakdown([doc])
+    assert b.clock == "gpu" and b.comm >= 0.8 * wait
 
 
 class _Net(nn.Module):
