@@ -42,6 +42,7 @@ import torch
 from aiak.ops._capability import Capability, declare, use_kernel
 from aiak.ops._dgc_segments_cuda import launch_segments, launches_per_call
 from aiak.ops._registry import define
+from aiak.ops.dgc_select import exact_top_k
 
 __all__ = [
     "dgc_segments_plan",
@@ -255,14 +256,7 @@ def _select_segment(
             else:
                 break
             c = int((seg >= thr).sum())
-    if exact:
-        v = int(torch.topk(seg.long(), k).values[-1])
-        greater = seg > v
-        equal = seg == v
-        room = k - int(greater.sum())
-        sel = greater | (equal & (torch.cumsum(equal, 0) <= room))
-    else:
-        sel = seg >= thr
+    sel = exact_top_k(seg, k) if exact else seg >= thr
     return torch.nonzero(sel).reshape(-1)[:k]
 
 

@@ -146,6 +146,15 @@ def dgc_plan(
     return False, thr[a, b], c
 
 
+def exact_top_k(bits: torch.Tensor, k: int) -> torch.Tensor:
+    """The mask of the ``k`` largest of int32 importance ``bits``, ties to the lowest index."""
+    v = int(torch.topk(bits.long(), k).values[-1])
+    greater = bits > v
+    equal = bits == v
+    room = k - int(greater.sum())
+    return greater | (equal & (torch.cumsum(equal, 0) <= room))
+
+
 def _reference(
     x: torch.Tensor,
     k: int,
@@ -172,14 +181,7 @@ def _reference(
             ::sample_stride
         ]
     exact, thr, _ = dgc_plan(bits, k, samples, upper, lower, iters, resample)
-    if exact:
-        v = int(torch.topk(bits.long(), k).values[-1])
-        greater = bits > v
-        equal = bits == v
-        room = k - int(greater.sum())
-        sel = greater | (equal & (torch.cumsum(equal, 0) <= room))
-    else:
-        sel = bits >= thr
+    sel = exact_top_k(bits, k) if exact else bits >= thr
     idx = torch.nonzero(sel).reshape(-1)[:k]
     indices[: idx.numel()] = idx
     values[: idx.numel()] = flat[idx]

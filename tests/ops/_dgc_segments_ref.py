@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import torch
 
 
 def plan_rows(lengths, starts, ratio, sample_ratio):
@@ -79,3 +80,26 @@ def select(x, rows, s0s, sample_indices, upper, lower, iters, resample):
         indices[out_off : out_off + sel.size] = sel + start
         values[out_off : out_off + sel.size] = x[sel + start].astype(np.float64)
     return values, indices
+
+
+def dgc_data(n: int, kind: str, seed: int) -> torch.Tensor:
+    """Test data of ``n`` fp32 values: normal, heavy, ties, special or (any other) ramp."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "normal":
+        return torch.randn(n, generator=g)
+    if kind == "heavy":  # a few large entries: the sample misses them, the loop adapts
+        x = torch.randn(n, generator=g) * 1e-3
+        x[torch.randint(0, n, (max(1, n // 500),), generator=g)] *= 1e4
+        return x
+    if kind == "ties":  # few distinct values: the resample branch and tie breaking
+        return torch.randint(-3, 4, (n,), generator=g).float()
+    if kind == "special":  # NaN, +-inf, zeros, subnormals
+        x = torch.randn(n, generator=g)
+        pick = torch.randint(0, 6, (n,), generator=g)
+        x[pick == 0] = float("nan")
+        x[pick == 1] = float("inf")
+        x[pick == 2] = -float("inf")
+        x[pick == 3] = 0.0
+        x[pick == 4] *= 1e-39
+        return x
+    return torch.linspace(-1, 1, n)  # "ramp": sampled strides alias with the structure

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from _dgc_segments_ref import plan_rows, select
+from _dgc_segments_ref import dgc_data, plan_rows, select
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,28 +17,6 @@ from aiak.conformance.shapes import RESNET50
 from aiak.ops.dgc_segments import dgc_segments_plan, dgc_segments_select, host_plan
 
 RESNET50_NUMELS = [math.prod(shape) for shape in RESNET50]
-
-
-def _data(n: int, kind: str, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    if kind == "normal":
-        return torch.randn(n, generator=g)
-    if kind == "heavy":  # a few large entries: the sample misses them, the loop adapts
-        x = torch.randn(n, generator=g) * 1e-3
-        x[torch.randint(0, n, (max(1, n // 500),), generator=g)] *= 1e4
-        return x
-    if kind == "ties":  # few distinct values: the resample branch and tie breaking
-        return torch.randint(-3, 4, (n,), generator=g).float()
-    if kind == "special":  # NaN, +-inf, zeros, subnormals
-        x = torch.randn(n, generator=g)
-        pick = torch.randint(0, 6, (n,), generator=g)
-        x[pick == 0] = float("nan")
-        x[pick == 1] = float("inf")
-        x[pick == 2] = -float("inf")
-        x[pick == 3] = 0.0
-        x[pick == 4] *= 1e-39
-        return x
-    return torch.linspace(-1, 1, n)  # "ramp": sampled strides alias with the structure
 
 
 def _layout(lengths: list[int], gaps: list[int]) -> tuple[list[int], int]:
@@ -90,7 +68,7 @@ def test_reference_matches_the_numpy_algorithm(
     lengths, gap, ratio, sample_ratio, kind, resample, uniform, iters, seed
 ) -> None:
     starts, size = _layout(lengths, [gap * (j % 3) for j in range(len(lengths))])
-    x = _data(size, kind, seed)
+    x = dgc_data(size, kind, seed)
     _run(x, lengths, starts, ratio, sample_ratio, seed, uniform, 1.3, 0.8, iters, resample, "cpu")
 
 
@@ -177,7 +155,7 @@ def test_k_equals_n_padding_and_special_values() -> None:
 def test_resnet50_bucket_on_cpu() -> None:
     lengths = RESNET50_NUMELS
     starts, size = _layout(lengths, [0] * len(lengths))
-    x = _data(size, "heavy", 50)
+    x = dgc_data(size, "heavy", 50)
     _run(x, lengths, starts, 0.001, 0.01, 5, False, 1.3, 0.8, 10, True, "cpu")
 
 
@@ -316,7 +294,7 @@ _LOOPS += [(True, 0, False), (True, 1, True)]  # (resample, iters, uniform sampl
 @pytest.mark.parametrize("lengths", _cuda_cases())
 def test_cuda_kernel_matches_the_reference(kind, lengths) -> None:
     starts, size = _layout(lengths, [j % 4 for j in range(len(lengths))])
-    x = _data(size, kind, len(lengths))
+    x = dgc_data(size, kind, len(lengths))
     for ratio, sr in ((0.001, 0.01), (0.01, 0.01), (0.3, 0.1), (1.0, 1.0), (0.0001, 0.01)):
         for resample, iters, uniform in _LOOPS:
             _run(x, lengths, starts, ratio, sr, 3, uniform, 1.3, 0.8, iters, resample, "cuda")
@@ -330,7 +308,7 @@ def test_cuda_resnet50_bucket_matches_the_reference(resample, uniform, ratio) ->
     lengths = RESNET50_NUMELS
     starts, size = _layout(lengths, [0] * len(lengths))
     for kind in ("heavy", "normal", "ties"):
-        x = _data(size, kind, 50)
+        x = dgc_data(size, kind, 50)
         _run(x, lengths, starts, ratio, 0.01, 5, uniform, 1.3, 0.8, 10, resample, "cuda")
 
 
@@ -368,7 +346,7 @@ def test_cuda_calls_back_to_back_between_torch_kernels(programmatic) -> None:
     starts, size = _layout(lengths, [2] * len(lengths))
     rows = dgc_segments_plan(lengths, starts, 0.001, 0.01)
     table, s0 = rows.cuda(), torch.ones(len(lengths), dtype=torch.int64, device="cuda")
-    data = [_data(size, kind, 3) for kind in ("heavy", "ties", "normal")]
+    data = [dgc_data(size, kind, 3) for kind in ("heavy", "ties", "normal")]
     want = [select(d.numpy(), rows.tolist(), [1] * len(lengths), None, 1.3, 0.8, 10, True)
             for d in data]  # fmt: skip
     dev = [d.cuda() for d in data]
@@ -393,7 +371,7 @@ def test_cuda_table_host_copy_follows_the_tensor_and_its_version() -> None:
     from aiak.ops import dgc_segments as ds
 
     lengths, starts = [20_000, 9_000], [0, 20_000]
-    x = _data(29_000, "heavy", 4)
+    x = dgc_data(29_000, "heavy", 4)
     s0 = torch.zeros(2, dtype=torch.int64)
     table = dgc_segments_plan(lengths, starts, 0.01, 0.01).cuda()
     for ratio in (0.01, 0.001):  # rewritten in place: a new version, a new host copy

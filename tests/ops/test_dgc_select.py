@@ -17,19 +17,7 @@ from aiak.ops.dgc_select import dgc_select
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "comm"))
 from _dgc_ref import select_f64
-
-
-def _data(n: int, kind: str, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    if kind == "normal":
-        return torch.randn(n, generator=g)
-    if kind == "heavy":  # a few large entries: the sample misses them, the loop adapts
-        x = torch.randn(n, generator=g) * 1e-3
-        x[torch.randint(0, n, (max(1, n // 500),), generator=g)] *= 1e4
-        return x
-    if kind == "ties":  # few distinct values: the resample branch and tie breaking
-        return torch.randint(-3, 4, (n,), generator=g).float()
-    return torch.linspace(-1, 1, n)  # "ramp": sampled strides alias with the structure
+from _dgc_segments_ref import dgc_data as _data
 
 
 def _check(x, k, m, start, stride, upper, lower, iters, resample, device="cpu", sidx=None):
