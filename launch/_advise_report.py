@@ -6,7 +6,8 @@ import importlib.util
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from aiak.launch._advise_model import PHASES, Advice, Breakdown, not_helping
+from aiak.launch._advise_breakdown import PHASES, Breakdown
+from aiak.launch._advise_model import Advice, not_helping
 
 __all__ = ["document", "draw", "text"]
 
