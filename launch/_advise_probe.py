@@ -48,6 +48,13 @@ import weakref
 from typing import Any
 
 from aiak.launch import _advise_work
+from aiak.launch._advise_facts import (
+    autocast_of,
+    length,
+    optimizer_facts,
+    stepped_by_grad_scaler,
+    window_attention_modules,
+)
 
 __all__ = ["boot", "install", "uninstall"]
 
@@ -207,7 +214,7 @@ class _Probe:
                     "num_workers": int(getattr(loader, "num_workers", 0)),
                     "persistent_workers": bool(getattr(loader, "persistent_workers", False)),
                     "pin_memory": bool(getattr(loader, "pin_memory", False)),
-                    "batches": _len(loader),
+                    "batches": length(loader),
                     "map_style": not isinstance(
                         getattr(loader, "dataset", None), self.torch.utils.data.IterableDataset
                     ),
@@ -236,7 +243,7 @@ class _Probe:
                 if self.trials and self.step == 0:
                     self.apply_trials(module)
             elif "autocast" not in self.facts:
-                self.facts["autocast"] = _autocast(self.torch)
+                self.facts["autocast"] = autocast_of(self.torch)
             self.fwd_t0 = time.perf_counter()
             self.fwd_ev = self.gpu_mark()
             _Phase.name = "forward"
@@ -259,7 +266,7 @@ class _Probe:
             self.undo.append(m.register_forward_pre_hook(self.fwd_pre).remove)
             self.undo.append(m.register_forward_hook(self.fwd_post).remove)
         self.facts["forward_roots"] = sorted({type(m).__name__ for m in self.roots.values()})
-        todo, fused, dropout = _window_attention_modules(self.roots.values())
+        todo, fused, dropout = window_attention_modules(self.roots.values())
         if todo or fused or dropout:
             self.facts["window_attention"] = {
                 "modules": len(todo),
@@ -348,8 +355,8 @@ class _Probe:
         if self.primary is None:
             self.primary = id(opt)
             self.primary_ref = weakref.ref(opt)
-            self.facts["optimizer"] = _optimizer_facts(opt)
-            self.facts["optimizer"]["grad_scaler"] = _stepped_by_grad_scaler()
+            self.facts["optimizer"] = optimizer_facts(opt)
+            self.facts["optimizer"]["grad_scaler"] = stepped_by_grad_scaler()
             self.cuda = self.facts["optimizer"]["device"] == "cuda"
             if self.cuda:
                 cuda = self.torch.cuda
@@ -429,7 +436,7 @@ class _Probe:
             ptrs = {_advise_work.storage_ptr(p) for p in params if p.dtype == self.torch.float32}
             self.weights = {x for x in ptrs if x is not None}
         self.attn_scores = 0
-        for m in _window_attention_modules(self.roots.values())[0]:
+        for m in window_attention_modules(self.roots.values())[0]:
             self.attn_hooks.append(m.register_forward_pre_hook(self.count_scores))
         self.counter = _counter(self)
         self.counter.__enter__()
@@ -459,7 +466,7 @@ class _Probe:
         if "swin-convert" in self.trials and self.trials_done.get("swin-convert") != "applied":
             from aiak.ops import swin
 
-            if _window_attention_modules([module])[0]:
+            if window_attention_modules([module])[0]:
                 swin.convert(module)
                 self.trials_done["swin-convert"] = "applied"
             else:
@@ -593,106 +600,11 @@ class _TimedIter:
         return getattr(self.inner, name)
 
 
-def _len(obj: Any) -> int | None:
-    try:
-        return len(obj)
-    except TypeError:
-        return None
-
-
 def _write(path: str, text: str) -> None:
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
         f.write(text)
     os.replace(tmp, path)
-
-
-def _autocast(torch: Any) -> str | None:
-    """The autocast the forward runs under: ``"cuda:float16"``, ``"cpu:bfloat16"``, or None."""
-    for device in ("cuda", "cpu"):
-        if torch.is_autocast_enabled(device):
-            return f"{device}:{str(torch.get_autocast_dtype(device)).replace('torch.', '')}"
-    return None
-
-
-def _optimizer_facts(opt: Any) -> dict[str, Any]:
-    params = [p for g in opt.param_groups for p in g["params"]]
-    group = opt.param_groups[0] if opt.param_groups else {}
-    return {
-        "aiak_o2": getattr(opt, "_aiak_amp", None) is not None,
-        # GradScaler hands the inf check to such an optimizer: no .item() before its step
-        "amp_scaling": bool(getattr(opt, "_step_supports_amp_scaling", False)),
-        "momentum": _number(group.get("momentum")),
-        "weight_decay": _number(group.get("weight_decay")),
-        "nesterov": bool(group.get("nesterov", False)),
-        "type": type(opt).__name__,
-        "module": type(opt).__module__,
-        "groups": len(opt.param_groups),
-        "tensors": len(params),
-        "parameters": int(sum(p.numel() for p in params)),
-        "dtypes": sorted({str(p.dtype).replace("torch.", "") for p in params}),
-        "foreach": opt.defaults.get("foreach"),
-        "fused": opt.defaults.get("fused"),
-        "shapes": [list(p.shape) for p in params][:4096],
-        "device": str(params[0].device.type) if params else "cpu",
-    }
-
-
-def _number(value: Any) -> float:
-    """A hyper-parameter as a float (0.0 when absent or not a number: a custom optimizer)."""
-    try:
-        return float(value or 0.0)
-    except (TypeError, ValueError, RuntimeError):
-        return 0.0
-
-
-def _stepped_by_grad_scaler() -> bool:
-    """Whether the optimizer's step() was called by torch's GradScaler.step (the caller of the
-    step hook, a few frames up): it reads ``found_inf`` on the host first, unless the
-    optimizer takes the inf check itself (``_step_supports_amp_scaling``)."""
-    frame = sys._getframe(1)
-    for _ in range(12):
-        frame = frame.f_back
-        if frame is None:
-            return False
-        if frame.f_code.co_filename.replace("\\", "/").endswith("amp/grad_scaler.py"):
-            return True
-    return False
-
-
-_WINDOW_ATTENTION_ATTRS = (
-    "relative_position_bias_table",
-    "relative_position_index",
-    "qkv",
-    "proj",
-    "num_heads",
-    "scale",
-    "window_size",
-)
-
-
-def _window_attention_modules(roots: Any) -> tuple[list[Any], int, int]:
-    """timm-style window attention under ``roots``, recognised by the attributes
-    ``aiak.ops.swin.convert`` recognises: (the modules convert would fuse, the modules already
-    fused, the modules left as they are for their attention dropout)."""
-    todo, fused, dropout, seen = [], 0, 0, set()
-    for root in roots:
-        for m in root.modules():
-            if id(m) in seen:
-                continue
-            seen.add(id(m))
-            name = type(m).__name__
-            if name == "FusedWindowAttention":
-                fused += 1
-            elif name.endswith("WindowAttention") and all(
-                hasattr(m, a) for a in _WINDOW_ATTENTION_ATTRS
-            ):
-                drop = getattr(m, "attn_drop", None)
-                if float(getattr(drop, "p", 0.0) or 0.0) > 0:
-                    dropout += 1
-                else:
-                    todo.append(m)
-    return todo, fused, dropout
 
 
 def _counter(probe: _Probe) -> Any:

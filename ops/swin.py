@@ -27,7 +27,7 @@ from torch import nn
 
 from aiak.ops.window_attention import roll_window_partition, window_attention, window_merge_roll
 
-__all__ = ["FusedWindowAttention", "convert"]
+__all__ = ["FusedWindowAttention", "convert", "find_window_attention"]
 
 _ATTENTION_ATTRS = ("relative_position_bias_table", "relative_position_index", "qkv", "proj")
 
@@ -82,6 +82,32 @@ def _is_window_attention(module: nn.Module) -> bool:
         and hasattr(module, "num_heads")
         and hasattr(module, "scale")
     )
+
+
+def _attention_dropout(module: nn.Module) -> float:
+    drop = getattr(module, "attn_drop", None)
+    return float(drop.p) if isinstance(drop, nn.Dropout) else 0.0
+
+
+def find_window_attention(*roots: nn.Module) -> tuple[list[nn.Module], int, int]:
+    """What :func:`convert` finds under ``roots``: (the window attention modules it fuses, the
+    number already fused, the number it leaves as they are for their attention dropout)."""
+    todo: list[nn.Module] = []
+    fused = dropout = 0
+    seen: set[int] = set()
+    for root in roots:
+        for m in root.modules():
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            if isinstance(m, FusedWindowAttention):
+                fused += 1
+            elif _is_window_attention(m):
+                if _attention_dropout(m) > 0:
+                    dropout += 1
+                else:
+                    todo.append(m)
+    return todo, fused, dropout
 
 
 def _pair(value: Any) -> tuple[int, int]:
@@ -139,10 +165,10 @@ def convert(model: nn.Module) -> nn.Module:
             if not _is_window_attention(child):
                 continue
             seen += 1
-            drop = getattr(child, "attn_drop", None)
-            if isinstance(drop, nn.Dropout) and drop.p > 0:
+            p = _attention_dropout(child)
+            if p > 0:
                 warnings.warn(
-                    f"convert: {type(child).__name__} with attention dropout {drop.p} stays "
+                    f"convert: {type(child).__name__} with attention dropout {p} stays "
                     "unfused (the kernel has no dropout)",
                     RuntimeWarning,
                     stacklevel=2,

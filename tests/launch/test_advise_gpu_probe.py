@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import aiak.amp
+from aiak.launch import _advise_facts as facts
 from aiak.launch import _advise_model as advise_model
 from aiak.launch import _advise_probe as probe_mod
 from aiak.launch import _advise_work as work
@@ -112,12 +113,12 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: _Stream())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: syncs.append(1))
     monkeypatch.setattr(work, "copy_rate", lambda torch: 2.5e12)
-    real = probe_mod._optimizer_facts
+    real = facts.optimizer_facts
 
     def on_cuda(opt):
         return {**real(opt), "device": "cuda"}
 
-    monkeypatch.setattr(probe_mod, "_optimizer_facts", on_cuda)
+    monkeypatch.setattr(probe_mod, "optimizer_facts", on_cuda)
     return syncs
 
 
