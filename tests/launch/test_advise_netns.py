@@ -10,63 +10,24 @@ the rate limit cannot be made.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _helpers import ROOT, clean_env, run
+from _helpers import ROOT, clean_env, run, two_namespaces
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 MBIT = 20
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
-
-
 @pytest.fixture
 def slow_hosts():
-    if shutil.which("ip") is None or shutil.which("tc") is None:
-        pytest.skip("iproute2's ip and tc are not installed")
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root")
-    tag = uuid.uuid4().hex[:6]
-    a, b = f"aiak_adv_a_{tag}", f"aiak_adv_b_{tag}"
-    made: list[str] = []
-    try:
-        for ns in (a, b):
-            _ip("netns", "add", ns)
-            made.append(ns)
-    except subprocess.CalledProcessError as e:
-        for ns in made:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
-        pytest.skip(f"cannot create network namespaces: {e.stderr.decode().strip()}")
-    try:
-        _ip("link", "add", f"aa{tag}", "type", "veth", "peer", "name", f"ab{tag}")
-        for ns, dev, addr in ((a, f"aa{tag}", "10.212.0.1"), (b, f"ab{tag}", "10.212.0.2")):
-            _ip("link", "set", dev, "netns", ns)
-            _ip("-n", ns, "link", "set", dev, "name", "aiak0")
-            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", "aiak0")
-            _ip("-n", ns, "link", "set", "aiak0", "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-            # each end shapes its egress: both directions at MBIT (burst: 256 KiB)
-            tc = ["tc", "qdisc", "replace", "dev", "aiak0", "root", "tbf"]
-            tc += ["rate", f"{MBIT}mbit", "burst", str(256 * 1024), "latency", "100ms"]
-            try:
-                _ip("netns", "exec", ns, *tc)
-            except subprocess.CalledProcessError as e:
-                pytest.skip(f"cannot rate-limit the veth: {e.stderr.decode().strip()}")
-        yield a, b
-    finally:
-        for ns in (a, b):  # deleting a namespace deletes its end of the veth pair
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+    with two_namespaces("10.212.0", mbit=MBIT) as hosts:
+        yield hosts
 
 
 def test_slow_link_between_two_hosts_advises_fp16_and_verifies_it(slow_hosts):

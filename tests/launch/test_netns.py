@@ -6,55 +6,23 @@ Needs root and iproute2 (``ip netns``); skipped, with the reason, where namespac
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _helpers import AIAKRUN, ROOT, clean_env, run
+from _helpers import AIAKRUN, ROOT, clean_env, run, two_namespaces
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
-
-
 @pytest.fixture
 def two_hosts():
-    if shutil.which("ip") is None:
-        pytest.skip("iproute2's ip is not installed")
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root")
-    tag = uuid.uuid4().hex[:6]
-    a, b = f"aiak_a_{tag}", f"aiak_b_{tag}"
-    made: list[str] = []
-    try:
-        for ns in (a, b):
-            _ip("netns", "add", ns)
-            made.append(ns)
-    except subprocess.CalledProcessError as e:
-        for ns in made:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
-        pytest.skip(f"cannot create network namespaces: {e.stderr.decode().strip()}")
-    try:
-        _ip("link", "add", f"va{tag}", "type", "veth", "peer", "name", f"vb{tag}")
-        for ns, dev, addr in ((a, f"va{tag}", "10.211.0.1"), (b, f"vb{tag}", "10.211.0.2")):
-            _ip("link", "set", dev, "netns", ns)
-            _ip("-n", ns, "link", "set", dev, "name", "aiak0")  # one NIC name on both hosts
-            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", "aiak0")
-            _ip("-n", ns, "link", "set", "aiak0", "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-        yield a, b
-    finally:
-        for ns in (a, b):  # deleting a namespace deletes its end of the veth pair
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+    with two_namespaces("10.211.0") as hosts:
+        yield hosts
 
 
 def test_two_namespace_hosts_rendezvous_and_train(two_hosts):
