@@ -86,13 +86,23 @@ def test_a_raising_rank_is_named_with_its_traceback():
     assert "host      : " in cause
 
 
+def _failures(out: str) -> list[str]:
+    """Each failed rank's entry of torch's failure table (the root cause included)."""
+    assert "Failures:" in out, out[-4000:]
+    table = out.split("Failures:", 1)[1]
+    return re.split(r"^\[\d+\]:$", table, flags=re.M)[1:]
+
+
 @pytest.mark.parametrize("mode, signal_name", [("kill", "SIGKILL"), ("abort", "SIGABRT")])
 def test_a_killed_rank_exits_1_and_names_the_signal(mode, signal_name):
     out, _ = _fail(mode)
     assert out.returncode == 1, out.stdout[-4000:]  # never 247/250
-    cause = _root_cause(out.stdout)
-    assert re.search(r"rank\s+: 1 \(local_rank: 1\)", cause)
-    assert f"({signal_name})" in cause
+    # The killed rank's entry names its signal. It is not always the "root cause": the peer's
+    # collective fails at once on the reset connection and writes an error file, whose time can
+    # precede the launcher's sighting of the signal (torch picks the earliest).
+    killed = [f for f in _failures(out.stdout) if re.search(r"rank\s+: 1 \(local_rank: 1\)", f)]
+    assert killed, out.stdout[-4000:]
+    assert f"({signal_name})" in killed[0], killed[0]
 
 
 def test_a_stopped_rank_makes_the_others_fail_within_the_timeout():
