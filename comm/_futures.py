@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CommError", "Lazy", "Pending", "after", "done", "new_future", "real"]
+__all__ = ["CommError", "Lazy", "Pending", "after", "all_of", "done", "new_future", "real"]
 
 Future = torch.futures.Future
 
@@ -179,3 +179,30 @@ def done(t: torch.Tensor) -> Future:
     fut = new_future(t)
     fut.set_result(t)
     return fut
+
+
+def all_of(futs: list[Future], like: torch.Tensor) -> Lazy:
+    """A future of ``like`` done when every future of ``futs`` is; it fails with the first
+    failure among them (its type kept, see :class:`Pending`).
+
+    On CUDA its stages run on a stream that waited for every input's work. ``collect_all``'s
+    own future is CPU-only (no events): a stage chained to it runs on whichever stream is
+    current, which has not waited for the collectives (NCCL's run on NCCL's streams), so it
+    could read an allgather's output before the allgather wrote it. Here the inputs' events
+    join the current stream when they are all done (``wait`` on a done future blocks no thread:
+    on CUDA it makes the current stream wait for the future's events), and the result's own
+    event is recorded after them.
+    """
+    out = Pending(like)
+
+    def settle(every: Future) -> None:
+        try:
+            for f in every.value():
+                f.wait()  # done: re-raises its error; on CUDA, the current stream waits for it
+        except BaseException as exc:
+            out.set_exception(exc)
+            return
+        out.set_result(like)
+
+    torch.futures.collect_all(futs).add_done_callback(settle)
+    return out.lazy()

@@ -165,16 +165,17 @@ class _DGC(CommHook):
             futs.append(
                 _futures.real(_collectives.all_gather(gathered, payload, link, state.traffic))
             )
+            # Made here, on the hook's stream, not in the callback: on CUDA the callback runs
+            # on a pooled stream, a different one each time, and the caching allocator keeps
+            # blocks per stream, so a bucket-sized buffer made there misses the cache (cudaMalloc).
+            acc = torch.zeros(length + 1, dtype=torch.float32, device=buf.device)
 
-        def decode(done: list[torch.futures.Future]) -> torch.Tensor:
-            for f in done:
-                f.value()  # re-raises a failed collective
+        def decode(_: torch.Tensor) -> torch.Tensor:
             if idx is not None:
-                _streams.keep(gathered)
+                _streams.keep(gathered, acc)
                 rows = gathered.view(world, -1)
                 i_all = rows[:, :nib].reshape(-1).view(idtype)
                 v_all = rows[:, nib:].reshape(-1).view(vdtype)
-                acc = torch.zeros(length + 1, dtype=torch.float32, device=buf.device)
                 acc.index_add_(0, i_all, v_all.float())
                 buf.copy_(acc[:length].div_(world))
             if dense is not None:
@@ -185,7 +186,8 @@ class _DGC(CommHook):
                     buf.index_copy_(0, plan.dpos, dense.to(buf.dtype))
             return buf
 
-        return _futures.after(torch.futures.collect_all(futs), decode, buf)
+        # one future for both collectives, whose callback's stream waited for both
+        return _futures.after(_futures.all_of(futs, buf), decode, buf)
 
 
 def dgc(

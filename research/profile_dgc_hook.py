@@ -5,15 +5,22 @@
 ResNet-50's 161 parameter shapes in DDP's default buckets (``benchmarks/bench_dgc_hook.py``'s
 set-up), a trivial loss: a step is the backward's hooks. Prints the host time of the backward
 with the plain allreduce and with the DGC hook, then one profiled DGC step's host-side events
-sorted by self CPU time (``--top``), and the synchronising CUDA API calls, if any. Needs a GPU.
+sorted by self CPU time (``--top``), then per hook: cudaMalloc calls of the caching allocator
+over the timed steps (``num_device_alloc``), host syncs torch reports in one step
+(``set_sync_debug_mode``), and the Python functions with the most host time over 5 steps
+(cProfile, ``--top``). Needs a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import os
+import pstats
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -55,11 +62,33 @@ def main() -> None:
                 step()
             torch.cuda.synchronize()
             hosts = []
+            mallocs = torch.cuda.memory_stats()["num_device_alloc"]
             for _ in range(10):
                 hosts.append(step())
                 torch.cuda.synchronize()
+            mallocs = torch.cuda.memory_stats()["num_device_alloc"] - mallocs
             hosts.sort()
             print(f"{name}: backward host ms {hosts[5] * 1e3:.2f} (min {hosts[0] * 1e3:.2f})")
+            print(f"{name}: cudaMalloc calls in 10 steps: {mallocs}")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    step()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.synchronize()
+            syncs = [str(w.message).splitlines()[0] for w in caught]
+            print(f"{name}: host syncs in one step: {len(syncs)} {syncs[:3]}")
+            prof_py = cProfile.Profile()
+            prof_py.enable()
+            for _ in range(5):
+                step()
+            prof_py.disable()
+            torch.cuda.synchronize()
+            text = io.StringIO()
+            pstats.Stats(prof_py, stream=text).sort_stats("tottime").print_stats(a.top)
+            print(f"{name}: cProfile, 5 steps, by own time\n{text.getvalue()}")
             if name != "dgc":
                 continue
             acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]

@@ -17,17 +17,21 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.cuda
-@pytest.mark.distributed
-def test_hooks_on_nccl_match_ddp_without_hook() -> None:
+def _env() -> dict[str, str]:
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 GPUs, has {torch.cuda.device_count()}")
-    env = dict(
+    return dict(
         os.environ,
         NCCL_NVLS_ENABLE="0",
         TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
         NVSHMEM_DISABLE_NVLS="1",
     )
+
+
+@pytest.mark.cuda
+@pytest.mark.distributed
+def test_hooks_on_nccl_match_ddp_without_hook() -> None:
+    env = _env()
     out = subprocess.run(
         [
             sys.executable,
@@ -51,3 +55,26 @@ def test_hooks_on_nccl_match_ddp_without_hook() -> None:
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "aiak fp16 (scale 10)" in out.stdout and "FAIL" not in out.stdout
+
+
+@pytest.mark.cuda
+@pytest.mark.distributed
+def test_dgc_on_nccl_equals_dgc_on_gloo_cpu() -> None:
+    # The decode runs in a callback of NCCL's futures: it must see the allgather's output.
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            str(ROOT / "tests" / "comm" / "_dgc_nccl_worker.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stdout.count(": OK") == 2, out.stdout[-3000:]
