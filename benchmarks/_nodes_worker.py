@@ -142,12 +142,27 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device) -> dict
             sync()
             opt_times.append((time.perf_counter() - t) * 1e3)
         opt_ms = statistics.median(opt_times)
+    # The same step with no exchange at all (DDP's no_sync: no hook, no allreduce): the floor
+    # under every mode's step, so flat / local_ms bounds what any compression can gain here.
+    # Not for the overlap, whose step runs inside the exchange.
+    local_ms = -1.0
+    if os.environ.get("AIAK_OVERLAP_BACKWARD_AND_STEP", "0") != "1":
+        local = []
+        for _ in range(args.steps):
+            sync()
+            t = time.perf_counter()
+            with ddp.no_sync():
+                step()
+            sync()
+            local.append((time.perf_counter() - t) * 1e3)
+        local_ms = statistics.median(local)
     per_rank = torch.tensor(
         [
             (sent1["intra_total"] - sent0["intra_total"]) / args.steps if hook else -1.0,
             (sent1["inter_total"] - sent0["inter_total"]) / args.steps if hook else -1.0,
             (tx1 - tx0) / args.steps,
             opt_ms,
+            local_ms,
         ],
         dtype=torch.float64,
         device=device,
@@ -173,6 +188,7 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device) -> dict
         "inter_bytes_per_step": rows[:, 1].sum().item() if hook is not None else None,
         "link_tx_per_step": node_heads[:, 2].sum().item(),
         "opt_ms": rows[:, 3].max().item() if rows[0, 3] >= 0 else None,
+        "local_ms": rows[:, 4].max().item() if rows[0, 4] >= 0 else None,
     }
 
 

@@ -4,7 +4,9 @@ Modes (``--modes``, default all): DDP's allreduce, aiak's flat allreduce, hierar
 PowerSGD rank 1 and 4, DGC 0.001, downsampling n=4, and the backward/step overlap
 (``--overlap-backward-and-step``) with FusedSGD and with DGC, each beside its base mode: the
 report's ``opt_ms`` is the base mode's optimizer step alone and ``opt_hidden`` the share of it
-that the overlap removes from the step. ``--per-node 1`` runs 2 nodes x 1 GPU.
+that the overlap removes from the step. ``local_ms`` is the same training step with no exchange
+(``ddp.no_sync()``): the floor under every mode, so ``flat / local_ms`` bounds any mode's gain.
+``--per-node 1`` runs 2 nodes x 1 GPU.
 ``--advise MODEL`` runs only ``aiak-advise --verify`` on that model's plain DDP job over the
 two nodes (its report printed, and kept beside ``--json``).
 
@@ -92,6 +94,7 @@ FIELDS = [
     "model",
     "mode",
     "step_ms",
+    "local_ms",
     "vs_flat",
     "rel_err",
     "tol",
