@@ -14,10 +14,11 @@ memory and tables are flat, in the bucket's layout; the layout and its tables ar
   samples' random starts (or positions) drawn in one generator call: no host synchronisation;
 * momentum factor masking: ``vec[idx] = 0`` and (``momentum_masking``) ``mmt[idx] = 0``, one
   ``index_fill_`` each;
-* one allgather of the packed (indices, values) bytes of the whole bucket, one averaging
-  allreduce of its dense tensors, gathered and scattered by one precomputed index (momentum
-  applied locally: averaging is linear, so that is SGD momentum of the mean gradient); the
-  result is ``zeros.index_add(idx_all, vals_all) / P``.
+* one allgather of the packed (indices, values) bytes of the whole bucket; its dense tensors,
+  gathered and scattered by one precomputed index, ride in the same allgather when they are at
+  most the sparse payload's size (averaged on arrival), else go by one averaging allreduce
+  (momentum applied locally: averaging is linear, so that is SGD momentum of the mean
+  gradient); the result is ``zeros.index_add(idx_all, vals_all) / P``.
 
 The optimizer must be SGD that applies momentum only to weight decay: :class:`DGCSGD`
 (``DGCSGD.from_optimizer(torch.optim.SGD(...))``; its code is comm/_dgc_sgd.py). Memory is
@@ -152,15 +153,31 @@ class _DGC(CommHook):
         )
         plan, dense, idx, vals = mem.step(state, buf, state.ratio(), gen)
         futs = []
-        if dense is not None:
+        vdtype = torch.float16 if state.fp16_values else torch.float32
+        idtype = torch.int32 if state.int32_indices else torch.int64
+        # The dense tensors ride in the allgather when they are at most its sparse payload's
+        # size (biases and norms beside convolutions and matrices): one collective per bucket
+        # instead of two, each a round of latency on a slow transport, for at most twice the
+        # allgather's bytes. Larger dense parts (a ratio-1 epoch, a bucket of vectors) go by
+        # their own averaging allreduce, which sends 2(P-1)/P of them instead of (P-1).
+        merged = (
+            dense is not None
+            and idx is not None
+            and dense.numel() * dense.element_size()
+            <= idx.numel() * (idtype.itemsize + vdtype.itemsize)
+        )
+        if dense is not None and not merged:
             futs.append(_futures.real(_collectives.all_reduce_mean(dense, link, state.traffic)))
         if idx is not None:
-            vdtype = torch.float16 if state.fp16_values else torch.float32
-            idtype = torch.int32 if state.int32_indices else torch.int64
-            # indices first: both views then start at a multiple of their element size
+            # indices first, then values, then (merged) the dense values: every view starts
+            # at a multiple of its element size
             icat, vcat = idx.to(idtype), vals.to(vdtype)
             nib = icat.numel() * icat.element_size()
-            payload = torch.cat([icat.view(torch.uint8), vcat.view(torch.uint8)])
+            nvb = nib + vcat.numel() * vcat.element_size()
+            parts = [icat.view(torch.uint8), vcat.view(torch.uint8)]
+            if merged:
+                parts.append(dense.view(torch.uint8))
+            payload = torch.cat(parts)
             gathered = torch.empty(world * payload.numel(), dtype=torch.uint8, device=buf.device)
             futs.append(
                 _futures.real(_collectives.all_gather(gathered, payload, link, state.traffic))
@@ -175,10 +192,14 @@ class _DGC(CommHook):
                 _streams.keep(gathered, acc)
                 rows = gathered.view(world, -1)
                 i_all = rows[:, :nib].reshape(-1).view(idtype)
-                v_all = rows[:, nib:].reshape(-1).view(vdtype)
+                v_all = rows[:, nib:nvb].reshape(-1).view(vdtype)
                 acc.index_add_(0, i_all, v_all.float())
                 buf.copy_(acc[:length].div_(world))
-            if dense is not None:
+                if merged:  # every rank's dense values: their mean, summed in fp32
+                    d_all = rows[:, nvb:].contiguous().view(dense.dtype).float()
+                    mean = d_all.sum(0).div_(world)
+                    buf.index_copy_(0, plan.dpos, mean.to(buf.dtype))
+            if dense is not None and not merged:
                 _streams.keep(dense)
                 if plan.kind == "all":
                     buf.copy_(dense)

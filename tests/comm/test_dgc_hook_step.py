@@ -238,6 +238,32 @@ def test_reduce_sends_the_selection_and_the_dense_tensors(world1, fp16_values) -
     assert fp16_values == bool((want[dense_at] != e_dense).any())  # fp16 rounds something
 
 
+@pytest.mark.parametrize(
+    ("shapes", "merged"),
+    [(SHAPES, True), ([(20, 10), (5000,)], False)],  # 47 dense vs 253 pairs; 5000 vs 10
+)
+def test_small_dense_tensors_ride_in_the_allgather(world1, monkeypatch, shapes, merged) -> None:
+    calls: list[int] = []
+    real = _collectives.all_reduce_mean
+
+    def spy(t, *args, **kwargs):
+        calls.append(t.numel())
+        return real(t, *args, **kwargs)
+
+    monkeypatch.setattr(_collectives, "all_reduce_mean", spy)
+    hook = comm.dgc(compress_ratio=0.05, momentum=0.0)
+    bucket = Bucket(shapes)
+    hook.state._names = _names(bucket)
+    g = torch.randn(bucket.buf.numel(), generator=torch.Generator().manual_seed(2))
+    bucket.buf.copy_(g)
+    out = _reduce(hook, bucket, world1)
+    dense_at = torch.cat(
+        [torch.arange(o, o + n) for o, n, b in _memory(hook.state, bucket).tensors if not b]
+    )
+    assert calls == ([] if merged else [dense_at.numel()])
+    torch.testing.assert_close(out[dense_at], g[dense_at], rtol=0, atol=0)  # world 1: the mean
+
+
 def test_an_old_format_state_loads_and_round_trips(world1) -> None:
     """The per-tensor hook's checkpoint (per parameter: n + 1 fp32 for a compressed tensor, its
     last the dump slot; n for a dense one) is the format that pickles now as well."""
