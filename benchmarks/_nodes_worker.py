@@ -122,40 +122,33 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device) -> dict
     sync()
     dist.barrier()
     sent0 = hook.state.bytes_sent() if hook is not None else None
+
+    def timed(fn) -> list[float]:
+        """ms of ``args.steps`` synchronised calls of ``fn``."""
+        out = []
+        for _ in range(args.steps):
+            sync()
+            t = time.perf_counter()
+            fn()
+            sync()
+            out.append((time.perf_counter() - t) * 1e3)
+        return out
+
+    def local_step() -> None:
+        with ddp.no_sync():
+            step()
+
     tx0 = link_bytes(args.link_dev)
-    times = []
-    for _ in range(args.steps):
-        sync()
-        t = time.perf_counter()
-        step()
-        sync()
-        times.append((time.perf_counter() - t) * 1e3)
+    times = timed(step)
     tx1 = link_bytes(args.link_dev)
     sent1 = hook.state.bytes_sent() if hook is not None else None
-    opt_ms = -1.0
+    opt_ms = local_ms = -1.0
+    # Not for the overlap, whose optimizer step runs inside the exchange: the optimizer step
+    # alone, and the same training step with no exchange at all (DDP's no_sync: no hook, no
+    # allreduce), the floor under every mode's step (flat / local_ms bounds any mode's gain).
     if os.environ.get("AIAK_OVERLAP_BACKWARD_AND_STEP", "0") != "1":
-        opt_times = []
-        for _ in range(args.steps):
-            sync()
-            t = time.perf_counter()
-            opt.step()
-            sync()
-            opt_times.append((time.perf_counter() - t) * 1e3)
-        opt_ms = statistics.median(opt_times)
-    # The same step with no exchange at all (DDP's no_sync: no hook, no allreduce): the floor
-    # under every mode's step, so flat / local_ms bounds what any compression can gain here.
-    # Not for the overlap, whose step runs inside the exchange.
-    local_ms = -1.0
-    if os.environ.get("AIAK_OVERLAP_BACKWARD_AND_STEP", "0") != "1":
-        local = []
-        for _ in range(args.steps):
-            sync()
-            t = time.perf_counter()
-            with ddp.no_sync():
-                step()
-            sync()
-            local.append((time.perf_counter() - t) * 1e3)
-        local_ms = statistics.median(local)
+        opt_ms = statistics.median(timed(opt.step))
+        local_ms = statistics.median(timed(local_step))
     per_rank = torch.tensor(
         [
             (sent1["intra_total"] - sent0["intra_total"]) / args.steps if hook else -1.0,

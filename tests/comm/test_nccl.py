@@ -28,30 +28,20 @@ def _env() -> dict[str, str]:
     )
 
 
+def _torchrun(script: Path, *args: str) -> subprocess.CompletedProcess:
+    """``script`` under torch.distributed.run on 2 GPUs (skips with fewer)."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script)]
+    return subprocess.run(
+        [*argv, *args], capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT
+    )
+
+
 @pytest.mark.cuda
 @pytest.mark.distributed
 def test_hooks_on_nccl_match_ddp_without_hook() -> None:
-    env = _env()
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            str(ROOT / "benchmarks" / "bench_comm_nccl.py"),
-            "--layers",
-            "2",
-            "--steps",
-            "3",
-            "--csv",
-            "",  # a smoke run: its timings are not results
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=ROOT,
+    # "--csv ''": a smoke run, its timings are not results
+    out = _torchrun(
+        ROOT / "benchmarks" / "bench_comm_nccl.py", "--layers", "2", "--steps", "3", "--csv", ""
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "aiak fp16 (scale 10)" in out.stdout and "FAIL" not in out.stdout
@@ -61,20 +51,6 @@ def test_hooks_on_nccl_match_ddp_without_hook() -> None:
 @pytest.mark.distributed
 def test_dgc_on_nccl_equals_dgc_on_gloo_cpu() -> None:
     # The decode runs in a callback of NCCL's futures: it must see the allgather's output.
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            str(ROOT / "tests" / "comm" / "_dgc_nccl_worker.py"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=_env(),
-        cwd=ROOT,
-    )
+    out = _torchrun(ROOT / "tests" / "comm" / "_dgc_nccl_worker.py")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert out.stdout.count(": OK") == 2, out.stdout[-3000:]
