@@ -69,8 +69,10 @@ class FusedWindowAttention(nn.Module):
         windows, n, _ = x.shape
         qkv = self.qkv(x).reshape(windows, n, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)  # strided views: the kernel reads them in place
-        out = window_attention(q, k, v, self.relative_position_bias(), mask, self.scale)
-        out = out.transpose(1, 2).reshape(windows, n, -1)
+        # [B*nW, N, nH, D] from the kernel: heads next to head_dim, so this reshape is a view
+        # and the backward reads proj's input gradient in place
+        out = window_attention(q, k, v, self.relative_position_bias(), mask, self.scale, True)
+        out = out.reshape(windows, n, -1)
         return self.proj_drop(self.proj(out))
 
 

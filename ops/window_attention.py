@@ -1,11 +1,15 @@
 """Swin window attention in one kernel per direction, and Swin's roll + window partition.
 
-``aiak::window_attention(q, k, v, bias, mask, scale)``: for q/k/v ``[B_, nH, N, D]`` (``B_`` =
-batch x windows per image), ``bias`` ``[nH, N, N]`` (the relative position bias, already
-gathered from its table) and an optional ``mask`` ``[nW, N, N]`` applied to window
-``b % nW`` (Swin's shifted-window mask)::
+``aiak::window_attention(q, k, v, bias, mask, scale, tokens_first=False)``: for q/k/v
+``[B_, nH, N, D]`` (``B_`` = batch x windows per image), ``bias`` ``[nH, N, N]`` (the relative
+position bias, already gathered from its table) and an optional ``mask`` ``[nW, N, N]``
+applied to window ``b % nW`` (Swin's shifted-window mask)::
 
     out = softmax(scale * q @ k^T + bias + mask) @ v
+
+``out`` is ``[B_, nH, N, D]``, or with ``tokens_first`` ``[B_, N, nH, D]`` (the kernel writes
+that layout, so Swin's ``out.transpose(1, 2).reshape(B_, N, C)`` becomes a view; the backward
+reads the incoming gradient through its strides).
 
 Stock PyTorch (timm's default path) runs this as ten kernels writing the ``[B_, nH, N, N]``
 scores to memory several times over; the kernel here keeps scores, softmax and both products
@@ -39,6 +43,12 @@ from aiak.ops._window_attention_cuda import (
     _attention_cuda,
     attention_kernel,
 )
+from aiak.ops._window_attention_kernels import (
+    BWD_VARIANT_ENV,
+    BWD_VARIANTS,
+    DEFAULT_BWD_VARIANT,
+    bwd_variant,
+)
 from aiak.ops._window_attention_ref import (
     _attention_backward_fake,
     _attention_backward_reference,
@@ -48,18 +58,22 @@ from aiak.ops._window_attention_ref import (
 from aiak.ops.window_partition import roll_window_partition, window_merge_roll
 
 __all__ = [
+    "BWD_VARIANTS",
+    "BWD_VARIANT_ENV",
+    "DEFAULT_BWD_VARIANT",
     "DEFAULT_KERNEL",
     "KERNEL_CHOICES",
     "KERNEL_ENV",
     "attention_kernel",
+    "bwd_variant",
     "roll_window_partition",
     "window_attention",
     "window_merge_roll",
 ]
 
 ATTENTION_OP = define(
-    "window_attention(Tensor q, Tensor k, Tensor v, Tensor bias, Tensor? mask, float scale) "
-    "-> Tensor",
+    "window_attention(Tensor q, Tensor k, Tensor v, Tensor bias, Tensor? mask, float scale, "
+    "bool tokens_first=False) -> Tensor",
     _attention_reference,
     cuda=_attention_cuda,
     fake=_attention_fake,
@@ -80,15 +94,18 @@ ATTENTION_BACKWARD_OP = define(
 
 
 def _attention_setup(ctx, inputs, output) -> None:
-    q, k, v, bias, mask, scale = inputs
+    q, k, v, bias, mask, scale, *layout = inputs
     ctx.save_for_backward(q, k, v, bias, mask)
     ctx.scale = scale
+    ctx.tokens_first = bool(layout and layout[0])
 
 
 def _attention_grads(ctx, grad, backward_op):
     q, k, v, bias, mask = ctx.saved_tensors
+    if ctx.tokens_first:  # [B_, N, nH, D] -> a [B_, nH, N, D] view, read in place
+        grad = grad.transpose(1, 2)
     dq, dk, dv, dbias = backward_op(grad, q, k, v, bias, mask, ctx.scale)
-    return dq, dk, dv, dbias, None, None
+    return dq, dk, dv, dbias, None, None, None
 
 
 def _attention_backward(ctx, grad):
@@ -126,12 +143,15 @@ def window_attention(
     bias: torch.Tensor,
     mask: torch.Tensor | None = None,
     scale: float | None = None,
+    tokens_first: bool = False,
 ) -> torch.Tensor:
     """``softmax(scale * q @ k^T + bias + mask[b % nW]) @ v`` for Swin windows.
 
     q, k, v ``[B*nW, nH, N, D]`` of one dtype; ``bias`` ``[nH, N, N]`` and ``mask``
     ``[nW, N, N]`` of any float dtype (fp32 under autocast); ``scale`` defaults to
     ``D ** -0.5``. Differentiable in q, k, v and bias; the mask must not require grad.
+    The result is ``[B*nW, nH, N, D]``, or ``[B*nW, N, nH, D]`` with ``tokens_first`` (then
+    ``.reshape(B*nW, N, nH * D)`` is a view: no copy either way of the step).
     """
     for name, t in (("q", q), ("k", k), ("v", v), ("bias", bias)):  # before the dispatcher's
         if not isinstance(t, torch.Tensor):  # own, unnamed error
@@ -146,6 +166,10 @@ def window_attention(
         raise ValueError("window_attention: mask must not require grad (it is a constant)")
     # NaN or inf would turn every probability NaN; 0 and negative scales are well defined
     scale = check_float("scale", scale, op="window_attention")
+    if not isinstance(tokens_first, bool):
+        raise TypeError(
+            f"window_attention: tokens_first must be a bool, got {type(tokens_first).__name__}"
+        )
     if _wac.eager(q):
-        return _EagerAttention.apply(q, k, v, bias, mask, float(scale))
-    return ATTENTION_OP(q, k, v, bias, mask, float(scale))
+        return _EagerAttention.apply(q, k, v, bias, mask, float(scale), tokens_first)
+    return ATTENTION_OP(q, k, v, bias, mask, float(scale), tokens_first)

@@ -108,8 +108,8 @@ __device__ __forceinline__ void forward_body(const T* __restrict__ q, const T* _
                                              const T* __restrict__ v, const float* __restrict__ bias,
                                              const float* __restrict__ mask, T* __restrict__ out,
                                              i64 qb, i64 qh, i64 qn, i64 kb, i64 kh, i64 kn,
-                                             i64 vb, i64 vh, i64 vn, int B_, int nH, int N,
-                                             int nW, float scale) {
+                                             i64 vb, i64 vh, i64 vn, i64 ob, i64 oh, i64 on,
+                                             int B_, int nH, int N, int nW, float scale) {
   extern __shared__ float smem[];
   const int NP = (N + 3) & ~3;
   const int ld = D + 1, ls = NP + 1;
@@ -137,7 +137,7 @@ __device__ __forceinline__ void forward_body(const T* __restrict__ q, const T* _
     }
     __syncthreads();
     // out = P V
-    T* out_bh = out + ((i64)b * nH + h) * N * D;
+    T* out_bh = out + (i64)b * ob + (i64)h * oh;
     const int rt = NP / 4, ct = D / 4;
     for (int t = threadIdx.x; t < rt * ct; t += blockDim.x) {
       const int r0 = (t / ct) * 4, c0 = (t % ct) * 4;
@@ -148,7 +148,7 @@ __device__ __forceinline__ void forward_body(const T* __restrict__ q, const T* _
         const int i = r0 + m;
         if (i < N) {
 #pragma unroll
-          for (int n = 0; n < 4; ++n) out_bh[(i64)i * D + c0 + n] = from_float<T>(acc[m][n]);
+          for (int n = 0; n < 4; ++n) out_bh[(i64)i * on + c0 + n] = from_float<T>(acc[m][n]);
         }
       }
     }
@@ -182,8 +182,8 @@ __device__ __forceinline__ void backward_body(
     const T* __restrict__ dout, const T* __restrict__ q, const T* __restrict__ k,
     const T* __restrict__ v, const float* __restrict__ bias, const float* __restrict__ mask,
     T* __restrict__ dq, T* __restrict__ dk, T* __restrict__ dv, float* __restrict__ dbias,
-    i64 qb, i64 qh, i64 qn, i64 kb, i64 kh, i64 kn, i64 vb, i64 vh, i64 vn, int B_, int nH, int N,
-    int nW, float scale) {
+    i64 qb, i64 qh, i64 qn, i64 kb, i64 kh, i64 kn, i64 vb, i64 vh, i64 vn, i64 gb, i64 gh, i64 gn,
+    int B_, int nH, int N, int nW, float scale) {
   extern __shared__ float smem[];
   const int NP = (N + 3) & ~3;
   const int ld = D + 1, ls = NP + 1;
@@ -199,11 +199,11 @@ __device__ __forceinline__ void backward_body(
   const float* bias_h = bias + (i64)h * N * N;
   for (int idx = threadIdx.x; idx < N * N; idx += blockDim.x) dB[idx] = 0.f;
   for (int b = blockIdx.x; b < B_; b += gridDim.x) {
-    const i64 obh = ((i64)b * nH + h) * N * D;  // offset of this (window, head) in dout/dq/dk/dv
+    const i64 obh = ((i64)b * nH + h) * N * D;  // offset of this (window, head) in dq/dk/dv
     load_rows<T, D>(Q, ld, q + (i64)b * qb + (i64)h * qh, qn, N, NP);
     load_rows<T, D>(K, ld, k + (i64)b * kb + (i64)h * kh, kn, N, NP);
     load_rows<T, D>(V, ld, v + (i64)b * vb + (i64)h * vh, vn, N, NP);
-    load_rows<T, D>(dO, ld, dout + obh, D, N, NP);
+    load_rows<T, D>(dO, ld, dout + (i64)b * gb + (i64)h * gh, gn, N, NP);
     __syncthreads();
     const float* mask_w = mask != nullptr ? mask + (i64)(b % nW) * N * N : nullptr;
     scores<D>(P, ls, Q, K, ld, bias_h, mask_w, scale, N, NP);
@@ -256,19 +256,20 @@ __device__ __forceinline__ void backward_body(
 #define WA_FORWARD(NAME, T, D)                                                                   \
   extern "C" __global__ void __launch_bounds__(WA_THREADS)                                       \
       NAME(const T* q, const T* k, const T* v, const float* bias, const float* mask, T* out,     \
-           i64 qb, i64 qh, i64 qn, i64 kb, i64 kh, i64 kn, i64 vb, i64 vh, i64 vn, int B_,        \
-           int nH, int N, int nW, float scale) {                                                  \
-    forward_body<T, D>(q, k, v, bias, mask, out, qb, qh, qn, kb, kh, kn, vb, vh, vn, B_, nH, N,  \
-                       nW, scale);                                                               \
+           i64 qb, i64 qh, i64 qn, i64 kb, i64 kh, i64 kn, i64 vb, i64 vh, i64 vn, i64 ob, i64 oh, \
+           i64 on, int B_, int nH, int N, int nW, float scale) {                                  \
+    forward_body<T, D>(q, k, v, bias, mask, out, qb, qh, qn, kb, kh, kn, vb, vh, vn, ob, oh, on, \
+                       B_, nH, N, nW, scale);                                                    \
   }
 
 #define WA_BACKWARD(NAME, T, D)                                                                  \
   extern "C" __global__ void __launch_bounds__(WA_THREADS)                                       \
       NAME(const T* dout, const T* q, const T* k, const T* v, const float* bias,                 \
            const float* mask, T* dq, T* dk, T* dv, float* dbias, i64 qb, i64 qh, i64 qn, i64 kb,  \
-           i64 kh, i64 kn, i64 vb, i64 vh, i64 vn, int B_, int nH, int N, int nW, float scale) {  \
+           i64 kh, i64 kn, i64 vb, i64 vh, i64 vn, i64 gb, i64 gh, i64 gn, int B_, int nH, int N, \
+           int nW, float scale) {                                                                 \
     backward_body<T, D>(dout, q, k, v, bias, mask, dq, dk, dv, dbias, qb, qh, qn, kb, kh, kn, vb, \
-                        vh, vn, B_, nH, N, nW, scale);                                           \
+                        vh, vn, gb, gh, gn, B_, nH, N, nW, scale);                               \
   }
 
 WA_FORWARD(window_attention_fwd_f16_d32, half_t, 32)
@@ -594,19 +595,20 @@ __device__ __forceinline__ void wm_tile_t_times(float (&acc)[D / 8][4], const u1
   }
 }
 
-// Rows m0 + g and m0 + g + 8 (those < N) of a contiguous [N, D] output, times alpha[0 or 1].
+// Rows m0 + g and m0 + g + 8 (those < N) of an [N, D] output with row stride `sn` (even),
+// times alpha[0 or 1].
 template <typename T, int D>
-__device__ __forceinline__ void wm_store(T* __restrict__ dst, const float (&acc)[D / 8][4],
+__device__ __forceinline__ void wm_store(T* __restrict__ dst, i64 sn, const float (&acc)[D / 8][4],
                                          float alpha0, float alpha1, int m0, int N, int g, int t) {
   const int r0 = m0 + g, r1 = r0 + 8;
 #pragma unroll
   for (int nt = 0; nt < D / 8; ++nt) {
     const int col = nt * 8 + 2 * t;
     if (r0 < N)
-      *reinterpret_cast<u32*>(dst + (i64)r0 * D + col) =
+      *reinterpret_cast<u32*>(dst + (i64)r0 * sn + col) =
           wm_pack<T>(acc[nt][0] * alpha0, acc[nt][1] * alpha0);
     if (r1 < N)
-      *reinterpret_cast<u32*>(dst + (i64)r1 * D + col) =
+      *reinterpret_cast<u32*>(dst + (i64)r1 * sn + col) =
           wm_pack<T>(acc[nt][2] * alpha1, acc[nt][3] * alpha1);
   }
 }
@@ -615,8 +617,8 @@ template <typename T, int D>
 __device__ __forceinline__ void mma_forward_body(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const float* __restrict__ bias, const float* __restrict__ mask, T* __restrict__ out, i64 qb,
-    i64 qh, i64 qn, i64 kb, i64 kh, i64 kn, i64 vb, i64 vh, i64 vn, int B_, int nH, int N, int nW,
-    float scale) {
+    i64 qh, i64 qn, i64 kb, i64 kh, i64 kn, i64 vb, i64 vh, i64 vn, i64 ob, i64 oh, i64 on,
+    int B_, int nH, int N, int nW, float scale) {
   extern __shared__ __attribute__((aligned(16))) u32 wm_smem[];
   constexpr int LD = D + 8;
   float* bm = reinterpret_cast<float*>(wm_smem);
@@ -650,7 +652,7 @@ __device__ __forceinline__ void mma_forward_body(
     wm_scores_softmax<T, D>(s, inv, Qs, Ks, bm, scale, m0, g, t);
     float o[D / 8][4];
     wm_regs_times<T, D>(o, s, Vs, LD, g, t);
-    wm_store<T, D>(out + ((i64)b * nH + h) * N * D, o, inv[0], inv[1], m0, N, g, t);
+    wm_store<T, D>(out + (i64)b * ob + (i64)h * oh, on, o, inv[0], inv[1], m0, N, g, t);
   }
 }
 
@@ -659,8 +661,8 @@ __device__ __forceinline__ void mma_backward_body(
     const T* __restrict__ dout, const T* __restrict__ q, const T* __restrict__ k,
     const T* __restrict__ v, const float* __restrict__ bias, const float* __restrict__ mask,
     T* __restrict__ dq, T* __restrict__ dk, T* __restrict__ dv, float* __restrict__ dbias,
-    i64 qb, i64 qh, i64 qn, i64 kb, i64 kh, i64 kn, i64 vb, i64 vh, i64 vn, int B_, int nH, int N,
-    int nW, float scale) {
+    i64 qb, i64 qh, i64 qn, i64 kb, i64 kh, i64 kn, i64 vb, i64 vh, i64 vn, i64 gb, i64 gh, i64 gn,
+    int B_, int nH, int N, int nW, float scale) {
   extern __shared__ __attribute__((aligned(16))) u32 wm_smem[];
   constexpr int LD = D + 8;
   float* bm = reinterpret_cast<float*>(wm_smem);
@@ -683,7 +685,7 @@ __device__ __forceinline__ void mma_backward_body(
     tq.load(q + (i64)g0 * qb + (i64)h * qh, qn, N);
     tk.load(k + (i64)g0 * kb + (i64)h * kh, kn, N);
     tv.load(v + (i64)g0 * vb + (i64)h * vh, vn, N);
-    td.load(dout + ((i64)g0 * nH + h) * N * D, D, N);
+    td.load(dout + (i64)g0 * gb + (i64)h * gh, gn, N);
   }
   for (int b = g0; b < B_; b += gridDim.x) {
     __syncthreads();  // the previous window is done with every tile
@@ -697,7 +699,7 @@ __device__ __forceinline__ void mma_backward_body(
       tq.load(q + (i64)nb * qb + (i64)h * qh, qn, N);
       tk.load(k + (i64)nb * kb + (i64)h * kh, kn, N);
       tv.load(v + (i64)nb * vb + (i64)h * vh, vn, N);
-      td.load(dout + ((i64)nb * nH + h) * N * D, D, N);
+      td.load(dout + (i64)nb * gb + (i64)h * gh, gn, N);
     }
     const i64 obh = ((i64)b * nH + h) * N * D;
     float p[8][4], inv[2];
@@ -750,18 +752,18 @@ __device__ __forceinline__ void mma_backward_body(
     {  // dQ = scale dS K, dS straight from registers
       float acc[D / 8][4];
       wm_regs_times<T, D>(acc, ds, Ks, LD, g, t);
-      wm_store<T, D>(dq + obh, acc, scale, scale, m0, N, g, t);
+      wm_store<T, D>(dq + obh, D, acc, scale, scale, m0, N, g, t);
     }
     __syncthreads();  // P and dS of every row are in shared memory
     {  // dV = P^T dO for key rows m0..
       float acc[D / 8][4];
       wm_tile_t_times<T, D>(acc, Ps, dOs, LD, m0, g, t);
-      wm_store<T, D>(dv + obh, acc, 1.f, 1.f, m0, N, g, t);
+      wm_store<T, D>(dv + obh, D, acc, 1.f, 1.f, m0, N, g, t);
     }
     {  // dK = scale dS^T Q
       float acc[D / 8][4];
       wm_tile_t_times<T, D>(acc, dSs, Qs, LD, m0, g, t);
-      wm_store<T, D>(dk + obh, acc, scale, scale, m0, N, g, t);
+      wm_store<T, D>(dk + obh, D, acc, scale, scale, m0, N, g, t);
     }
   }
   if (g0 < B_) {
@@ -780,19 +782,20 @@ __device__ __forceinline__ void mma_backward_body(
 #define WM_FORWARD(NAME, T, D)                                                                   \
   extern "C" __global__ void __launch_bounds__(WA_THREADS)                                       \
       NAME(const T* q, const T* k, const T* v, const float* bias, const float* mask, T* out,     \
-           i64 qb, i64 qh, i64 qn, i64 kb, i64 kh, i64 kn, i64 vb, i64 vh, i64 vn, int B_,        \
-           int nH, int N, int nW, float scale) {                                                  \
-    mma_forward_body<T, D>(q, k, v, bias, mask, out, qb, qh, qn, kb, kh, kn, vb, vh, vn, B_, nH, \
-                           N, nW, scale);                                                        \
+           i64 qb, i64 qh, i64 qn, i64 kb, i64 kh, i64 kn, i64 vb, i64 vh, i64 vn, i64 ob, i64 oh, \
+           i64 on, int B_, int nH, int N, int nW, float scale) {                                  \
+    mma_forward_body<T, D>(q, k, v, bias, mask, out, qb, qh, qn, kb, kh, kn, vb, vh, vn, ob, oh, \
+                           on, B_, nH, N, nW, scale);                                            \
   }
 
 #define WM_BACKWARD(NAME, T, D)                                                                  \
   extern "C" __global__ void __launch_bounds__(WA_THREADS)                                       \
       NAME(const T* dout, const T* q, const T* k, const T* v, const float* bias,                 \
            const float* mask, T* dq, T* dk, T* dv, float* dbias, i64 qb, i64 qh, i64 qn, i64 kb,  \
-           i64 kh, i64 kn, i64 vb, i64 vh, i64 vn, int B_, int nH, int N, int nW, float scale) {  \
+           i64 kh, i64 kn, i64 vb, i64 vh, i64 vn, i64 gb, i64 gh, i64 gn, int B_, int nH, int N, \
+           int nW, float scale) {                                                                 \
     mma_backward_body<T, D>(dout, q, k, v, bias, mask, dq, dk, dv, dbias, qb, qh, qn, kb, kh, kn, \
-                            vb, vh, vn, B_, nH, N, nW, scale);                                   \
+                            vb, vh, vn, gb, gh, gn, B_, nH, N, nW, scale);                       \
   }
 
 WM_FORWARD(window_attention_mma_fwd_f16_d32, half_t, 32)

@@ -10,6 +10,7 @@ import torch
 from _numerics import rel_err as _rel
 from _window_literal import rel_index, swin_mask
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from aiak.ops import swin
 
@@ -89,6 +90,43 @@ def test_convert_replaces_modules_and_keeps_state_dict():
     assert sum(isinstance(m, swin.FusedWindowAttention) for m in conv.modules()) == 2
     assert ref.state_dict().keys() == conv.state_dict().keys()
     assert all(hasattr(b, "_aiak_timm_attn") for b in conv.blocks)
+
+
+class _Copies(TorchDispatchMode):
+    """Counts the aten ops that copy a tensor's data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.__name__.split(".")[0] in ("clone", "copy_", "_to_copy", "contiguous")
+        return func(*args, **(kwargs or {}))
+
+
+def _copies_in_step(attn: nn.Module, x: torch.Tensor, mask: torch.Tensor) -> int:
+    attn.zero_grad(set_to_none=True)  # the same gradient accumulation each time
+    with _Copies() as copies:
+        attn(x, mask).square().sum().backward()
+    return copies.count
+
+
+def test_fused_attention_output_needs_no_layout_copy(monkeypatch):
+    # the op writes [B*nW, N, nH, D]: the module's reshape to [B*nW, N, C] is a view; with the
+    # op's default layout the same module pays a transpose copy
+    ref, conv = _pair_models()
+    attn = conv.blocks[1].attn
+    x, mask = torch.randn(8, 49, 64), conv.blocks[1].attn_mask
+    fused = _copies_in_step(attn, x, mask)
+    real = swin.window_attention
+
+    def heads_first(q, k, v, bias, mask, scale, tokens_first):
+        return real(q, k, v, bias, mask, scale).transpose(1, 2)
+
+    monkeypatch.setattr(swin, "window_attention", heads_first)
+    assert _copies_in_step(attn, x, mask) == fused + 1
+    monkeypatch.undo()
+    torch.testing.assert_close(attn(x, mask), ref.blocks[1].attn(x, mask), rtol=1e-4, atol=1e-5)
 
 
 def test_convert_matches_original_forward_and_backward():

@@ -16,6 +16,7 @@ import pytest
 import torch
 from _numerics import rel_err as _rel
 from _window_literal import inputs, literal_attention, literal_partition, rel_index, swin_mask
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import aiak.ops  # noqa: F401
 from aiak.ops import _window_attention_cuda as wac
@@ -69,6 +70,41 @@ def test_backward_op_matches_autograd_of_literal():
     grads = torch.ops.aiak.window_attention_backward(dout, q, k, v, bias, mask, 0.4)
     for got, leaf in zip(grads, leaves):
         torch.testing.assert_close(got, leaf.grad)
+
+
+@pytest.mark.parametrize("nw", [None, 3])
+def test_tokens_first_is_the_transposed_output_with_the_same_gradients(nw):
+    # the [B_, N, nH, D] layout: the same numbers as the default layout transposed, forward and
+    # every gradient, the incoming gradient read through its strides
+    q, k, v, bias, mask = inputs(6, 2, 7, 4, nw)
+    dout = torch.randn(6, 7, 2, 4, dtype=torch.float64)
+    ref, ref_grads = _both_paths(
+        lambda *t: window_attention(*t, mask, 0.4).transpose(1, 2), (q, k, v, bias), dout
+    )
+    out, grads = _both_paths(
+        lambda *t: window_attention(*t, mask, 0.4, tokens_first=True), (q, k, v, bias), dout
+    )
+    assert out.shape == (6, 7, 2, 4) and out.is_contiguous()
+    assert torch.equal(out, ref)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    with pytest.raises(TypeError, match="tokens_first must be a bool"):
+        window_attention(q, k, v, bias, mask, 0.4, tokens_first="yes")
+
+
+def test_backward_op_reads_a_strided_grad():
+    q, k, v, bias, mask = inputs(4, 3, 5, 8, 2)
+    dout = torch.randn(4, 5, 3, 8, dtype=torch.float64)
+    strided = torch.ops.aiak.window_attention_backward(
+        dout.transpose(1, 2), q, k, v, bias, mask, 0.3
+    )
+    dense = torch.ops.aiak.window_attention_backward(
+        dout.transpose(1, 2).contiguous(), q, k, v, bias, mask, 0.3
+    )
+    for a, b in zip(strided, dense):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="grad has shape"):
+        torch.ops.aiak.window_attention_backward(dout, q, k, v, bias, mask, 0.3)
 
 
 def test_bias_gradient_in_fp32_with_half_inputs_under_autocast_dtypes():
@@ -192,6 +228,57 @@ def test_mma_grid_keeps_one_mask_per_block(monkeypatch, regs):
                 assert g * heads <= per_sm * 132
 
 
+class _Copies(TorchDispatchMode):
+    """Counts the aten ops that copy a tensor's data."""
+
+    COPIES = ("clone", "copy_", "_to_copy", "contiguous")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.__name__.split(".")[0] in self.COPIES
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def launches(recorder, monkeypatch):
+    """The launchers on CPU tensors with the launches recorded (tests/ops/conftest.py)."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(wac, "_sm_limits", lambda device: (228 * 1024, 65536))
+    monkeypatch.setattr(wac, "_PLANS", {})
+    monkeypatch.setattr(wac, "_CARVED", set())
+    monkeypatch.setattr(wac, "use_kernel", lambda *a, **k: True)
+    return recorder
+
+
+@pytest.mark.parametrize("kernel", wa.KERNEL_CHOICES)
+def test_layouts_reach_the_kernels_as_strides_without_copies(launches, kernel):
+    # timm's q/k/v views in, a [B_, N, nH, D] output, and proj's input gradient seen as
+    # [B_, nH, N, D] back in: the kernels get pointers and strides, nothing is copied
+    windows, heads, n, d = 4, 3, 49, 32
+    q, k, v = torch.randn(windows, n, 3, heads, d).half().permute(2, 0, 3, 1, 4).unbind(0)
+    bias = torch.randn(heads, n, n)
+    grad = torch.randn(windows, n, heads, d).half().transpose(1, 2)
+    for _ in range(2):  # the plan made, then the plan cached
+        with _Copies() as copies:
+            out = wac._attention_cuda_with(kernel, q, k, v, bias, None, 0.2, tokens_first=True)
+            wac._attention_backward_cuda_with(kernel, grad, q, k, v, bias, None, 0.2)
+        assert copies.count == 0
+    assert out.shape == (windows, n, heads, d) and out.is_contiguous()
+    fwd, bwd = (launch["args"] for launch in launches.launches[-2:])
+    assert fwd["out"] == out.data_ptr()
+    assert (fwd["ob"], fwd["oh"], fwd["on"]) == out.transpose(1, 2).stride()[:3]
+    assert (fwd["qb"], fwd["qh"], fwd["qn"]) == q.stride()[:3]
+    assert bwd["dout"] == grad.data_ptr()
+    assert (bwd["gb"], bwd["gh"], bwd["gn"]) == grad.stride()[:3]
+    out = wac._attention_cuda_with(kernel, q, k, v, bias, None, 0.2)
+    args = launches.launches[-1]["args"]
+    assert out.shape == q.shape and (args["ob"], args["oh"], args["on"]) == out.stride()[:3]
+
+
 def test_cuda_entry_on_cpu_falls_back_with_one_warning():
     q, k, v, bias, mask = inputs(4, 2, 5, 8, 2, dtype=torch.float16)
     with warnings.catch_warnings(record=True) as rec:
@@ -214,20 +301,26 @@ def _opcheck_samples(device, dtype):
     strided = torch.randn(4, 7, 3, 2, 32, dtype=dtype, device=device).permute(2, 0, 3, 1, 4)
     qs, ks, vs = strided.unbind(0)
     return [
-        (q, k, v, bias, mask, 0.3),
-        (q, k, v, bias, None, 0.3),
-        (qs, ks, vs, bias, mask, 0.2),
+        (q, k, v, bias, mask, 0.3, False),
+        (q, k, v, bias, None, 0.3, True),
+        (qs, ks, vs, bias, mask, 0.2, True),
     ]
 
 
 def _opcheck_all(device, dtype):
-    for q, k, v, bias, mask, scale in _opcheck_samples(device, dtype):
+    for q, k, v, bias, mask, scale, tokens_first in _opcheck_samples(device, dtype):
         grads = [t.detach().clone().requires_grad_() for t in (q, k, v, bias)]
-        torch.library.opcheck(torch.ops.aiak.window_attention.default, (*grads, mask, scale))
+        torch.library.opcheck(
+            torch.ops.aiak.window_attention.default, (*grads, mask, scale, tokens_first)
+        )
         dout = torch.randn_like(q)
+        if tokens_first:  # the backward's grad as autograd hands it over: a transposed view
+            dout = dout.transpose(1, 2).contiguous().transpose(1, 2)
         torch.library.opcheck(
             torch.ops.aiak.window_attention_backward.default, (dout, q, k, v, bias, mask, scale)
         )
+    q, k, v, bias, mask, scale, _ = _opcheck_samples(device, dtype)[0]
+    torch.library.opcheck(torch.ops.aiak.window_attention.default, (q, k, v, bias, mask, scale))
     x = torch.randn(2, 14, 7, 6, dtype=dtype, device=device, requires_grad=True)
     torch.library.opcheck(torch.ops.aiak.roll_window_partition.default, (x, 7, 3))
     w = torch.randn(4, 49, 6, dtype=dtype, device=device, requires_grad=True)
@@ -309,6 +402,32 @@ def test_kernel_reads_unaligned_and_strided_views(kernel):
     want = war._attention_backward_reference(dout, q.contiguous(), k, v, bias, mask, 0.2)
     for g, w in zip(got, want):
         assert _rel(g, w) < 2 * HALF_TOL[torch.float16]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kernel", wa.KERNEL_CHOICES)
+def test_kernel_tokens_first_output_and_strided_grads(kernel):
+    # the [B_, N, nH, D] output is the default one transposed, bit for bit; the backward reads
+    # a transposed grad in place (aligned) or through a copy (odd strides), same numbers
+    windows, heads, n, d = 16, 3, 49, 32
+    x = torch.randn(windows, n, 3, heads, d, device="cuda", dtype=torch.float16)
+    q, k, v = x.permute(2, 0, 3, 1, 4).unbind(0)
+    bias = torch.randn(heads, n, n, device="cuda")
+    mask = torch.where(torch.rand(4, n, n, device="cuda") < 0.3, -100.0, 0.0)
+    out = wac._attention_cuda_with(kernel, q, k, v, bias, mask, 0.2)
+    out_t = wac._attention_cuda_with(kernel, q, k, v, bias, mask, 0.2, tokens_first=True)
+    assert out_t.shape == (windows, n, heads, d) and torch.equal(out_t, out.transpose(1, 2))
+    dense = torch.randn(windows, heads, n, d, device="cuda", dtype=torch.float16)
+    want = wac._attention_backward_cuda_with(kernel, dense, q, k, v, bias, mask, 0.2)
+    odd = torch.empty(windows, n, heads, d + 1, device="cuda", dtype=torch.float16)[..., :d]
+    for grad in (dense.transpose(1, 2).contiguous().transpose(1, 2), odd.transpose(1, 2)):
+        grad.copy_(dense)
+        got = wac._attention_backward_cuda_with(kernel, grad, q, k, v, bias, mask, 0.2)
+        for name, a, b in zip(("dq", "dk", "dv", "dbias"), got, want):
+            if name == "dbias":  # fp32 atomics: the order of the sums varies by run
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+            else:
+                assert torch.equal(a, b), name
 
 
 @pytest.mark.cuda
@@ -402,16 +521,22 @@ def _eager_vs_op(device, dtype, monkeypatch, exact_bias):
     calls = []
     real = wa._EagerAttention.apply
     monkeypatch.setattr(wa._EagerAttention, "apply", lambda *a: calls.append(1) or real(*a))
-    eager = _both_paths(lambda *t: window_attention(*t, mask, 0.2), (q, k, v, bias), dout)
-    assert calls, "the eager path did not run"
-    op = _both_paths(lambda *t: wa.ATTENTION_OP.overload(*t, mask, 0.2), (q, k, v, bias), dout)
-    assert torch.equal(eager[0], op[0])
-    for name, a, b in zip(("dq", "dk", "dv", "dbias"), eager[1], op[1]):
-        assert a.dtype == b.dtype, name
-        if name != "dbias" or exact_bias:
-            assert torch.equal(a, b), name
-        else:  # the kernel sums the bias gradient with fp32 atomics: order varies by run
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for tf in (False, True):
+        grad = dout.transpose(1, 2).contiguous() if tf else dout
+        eager = _both_paths(
+            lambda *t, tf=tf: window_attention(*t, mask, 0.2, tf), (q, k, v, bias), grad
+        )
+        assert calls, "the eager path did not run"
+        op = _both_paths(
+            lambda *t, tf=tf: wa.ATTENTION_OP.overload(*t, mask, 0.2, tf), (q, k, v, bias), grad
+        )
+        assert torch.equal(eager[0], op[0])
+        for name, a, b in zip(("dq", "dk", "dv", "dbias"), eager[1], op[1]):
+            assert a.dtype == b.dtype, name
+            if name != "dbias" or exact_bias:
+                assert torch.equal(a, b), name
+            else:  # the kernel sums the bias gradient with fp32 atomics: order varies by run
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     x = torch.randn(2, 14, 14, 6, device=device).to(dtype)
     gx = torch.randn(8, 49, 6, device=device).to(dtype)
     a = _both_paths(lambda t: roll_window_partition(t, 7, 3), (x,), gx)

@@ -1,0 +1,101 @@
+"""Window attention's CUDA kernels as declared to the launcher: entry points, parameters,
+the ``mma`` backward's compile-time variants and each kernel's dynamic shared memory.
+
+Grid sizing, launch plans and the launchers are in ``_window_attention_cuda``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import torch
+
+from aiak.ops._driver import Kernel
+
+__all__ = ["BWD_VARIANTS", "BWD_VARIANT_ENV", "DEFAULT_BWD_VARIANT", "BwdVariant", "bwd_variant"]
+
+SOURCE = "window_attention.cu"
+_CODE = {torch.float16: "f16", torch.bfloat16: "bf16"}
+_STRIDES = "i64 qb, i64 qh, i64 qn, i64 kb, i64 kh, i64 kn, i64 vb, i64 vh, i64 vn, "
+_SIZES = "i32 B_, i32 nH, i32 N, i32 nW, f32 scale"
+# the fourth stride triple: out's (forward) or dout's (backward), [B_, nH, N, D] order
+_PARAMS = {
+    "fwd": "ptr q, ptr k, ptr v, ptr bias, ptr mask, ptr out, "
+    + _STRIDES
+    + "i64 ob, i64 oh, i64 on, "
+    + _SIZES,
+    "bwd": "ptr dout, ptr q, ptr k, ptr v, ptr bias, ptr mask, ptr dq, ptr dk, ptr dv, "
+    "ptr dbias, " + _STRIDES + "i64 gb, i64 gh, i64 gn, " + _SIZES,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdVariant:
+    """One compile-time variant of the ``mma`` backward kernel (``WM_BACKWARD_V`` in the
+    source): ``infix`` goes into its entry points' names, ``alias_ps``: P and dS share one
+    shared-memory tile (the shared memory :func:`_mma_smem_bytes` sizes)."""
+
+    infix: str
+    alias_ps: bool
+    about: str
+
+
+# The mma backward's variants, selected by AIAK_WINDOW_ATTENTION_BWD (read once per process).
+# A variant is one entry here and one WM_BACKWARD_V line per dtype and head dim in the source;
+# deleting it is deleting both.
+BWD_VARIANTS = {
+    "base": BwdVariant("", False, "prefetch in registers, P and dS apart, 32-bit fragment loads"),
+}
+BWD_VARIANT_ENV = "AIAK_WINDOW_ATTENTION_BWD"
+DEFAULT_BWD_VARIANT = "base"
+
+
+@functools.cache
+def bwd_variant() -> str:
+    """The ``mma`` backward variant of this process: ``AIAK_WINDOW_ATTENTION_BWD`` (one of
+    :data:`BWD_VARIANTS`) or :data:`DEFAULT_BWD_VARIANT`; read on first use, then fixed."""
+    choice = os.environ.get(BWD_VARIANT_ENV, DEFAULT_BWD_VARIANT)
+    if choice not in BWD_VARIANTS:
+        raise ValueError(f"{BWD_VARIANT_ENV} must be one of {tuple(BWD_VARIANTS)}, got {choice!r}")
+    return choice
+
+
+def _entry(kind: str, dtype: torch.dtype, d: int) -> str:
+    """The source's entry point of ``kind`` ("fwd", "bwd", "mma_fwd", "mma_bwd_<variant>")."""
+    if kind.startswith("mma_bwd_"):
+        kind = "mma_bwd_" + BWD_VARIANTS[kind[8:]].infix
+    else:
+        kind += "_"
+    return f"window_attention_{kind}{_CODE[dtype]}_d{d}"
+
+
+_KINDS = ("fwd", "bwd", "mma_fwd", *(f"mma_bwd_{v}" for v in BWD_VARIANTS))
+_KERNELS = {
+    (kind, dtype, d): Kernel(
+        SOURCE, _entry(kind, dtype, d), _PARAMS["bwd" if "bwd" in kind else "fwd"]
+    )
+    for kind in _KINDS
+    for dtype in _CODE
+    for d in (32, 64)
+}
+
+_THREADS = 128  # WA_THREADS in the source
+
+
+def _smem_floats(n: int, d: int, backward: bool) -> int:
+    np_ = (n + 3) & ~3
+    ld, ls = d + 1, np_ + 1
+    if backward:
+        return 4 * np_ * ld + 2 * np_ * ls + n * n
+    return 3 * np_ * ld + np_ * ls
+
+
+def _mma_smem_bytes(d: int, backward: bool, alias_ps: bool = False) -> int:
+    """Dynamic shared memory of the mma kernels (WM_* in the source): the fp32 [64][72]
+    bias + mask table, [64][D + 8] q/k/v (and dout) tiles, and in backward [64][72] P and dS
+    (one tile for both with ``alias_ps``)."""
+    table = 64 * 72 * 4
+    tiles = (4 if backward else 3) * 64 * (d + 8) * 2
+    return table + tiles + ((1 if alias_ps else 2) * 64 * 72 * 2 if backward else 0)
