@@ -46,7 +46,10 @@ class BwdVariant:
 # A variant is one entry here and one WM_BACKWARD_V line per dtype and head dim in the source;
 # deleting it is deleting both.
 BWD_VARIANTS = {
-    "base": BwdVariant("", False, "prefetch in registers, P and dS apart, 32-bit fragment loads"),
+    "base": BwdVariant("", False, "next window prefetched in registers; P, dS in two tiles"),
+    "ldm": BwdVariant("ldm_", False, "base, transposed fragments by ldmatrix; 168 registers"),
+    "alias": BwdVariant("alias_", True, "P, dS in one tile, no prefetch; 128 registers"),
+    "alias_ldm": BwdVariant("alias_ldm_", True, "alias, transposed fragments by ldmatrix"),
 }
 BWD_VARIANT_ENV = "AIAK_WINDOW_ATTENTION_BWD"
 DEFAULT_BWD_VARIANT = "base"

@@ -452,6 +452,55 @@ __device__ __forceinline__ void wm_b_cols(u32& b0, u32& b1, const u16* s, int ld
   b1 = wm_pair(p + 8 * ld, p + 9 * ld);
 }
 
+// ldmatrix (sm_75+): one instruction loads four 8x8 b16 matrices, lane l giving the row
+// address of matrix l / 8, row l % 8 (16-byte aligned: the tiles' row strides are multiples of
+// 16 bytes). Register i of lane (g, t) gets matrix i's [g][2t, 2t+1], or with .trans its
+// [2t, 2t+1][g]: exactly the m16n8k16 fragments, one instruction where the 32-bit and 16-bit
+// reads above need four to eight. The "memory" clobber keeps them on their side of barriers.
+__device__ __forceinline__ u32 wm_smem_addr(const void* p) {
+  u32 a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+__device__ __forceinline__ void wm_ldsm(u32 (&r)[4], const u16* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(wm_smem_addr(p))
+               : "memory");
+}
+__device__ __forceinline__ void wm_ldsm_t(u32 (&r)[4], const u16* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(wm_smem_addr(p))
+               : "memory");
+}
+
+// The transposed-operand fragments either way (LDM: ldmatrix.trans; else the 16-bit reads
+// above). Pairs of B fragments cover n-tiles n0 and n0 + 8: b[0], b[1] for n0, b[2], b[3] for
+// n0 + 8. (Q K^T and dO V^T read 32-bit words already; there ldmatrix saves less and its
+// results, loaded ahead, cost the registers the alias variants do not have.)
+template <bool LDM>
+__device__ __forceinline__ void wm_a_cols_(u32 (&a)[4], const u16* s, int ld, int m0, int k0,
+                                           int lane) {
+  if (LDM) {
+    const int j = lane >> 3, r = lane & 7;
+    wm_ldsm_t(a, s + (k0 + r + (j >> 1) * 8) * ld + m0 + (j & 1) * 8);
+  } else {
+    wm_a_cols(a, s, ld, m0, k0, lane >> 2, lane & 3);
+  }
+}
+template <bool LDM>
+__device__ __forceinline__ void wm_b_cols2(u32 (&b)[4], const u16* s, int ld, int n0, int k0,
+                                           int lane) {
+  if (LDM) {
+    const int j = lane >> 3, r = lane & 7;
+    wm_ldsm_t(b, s + (k0 + r + (j & 1) * 8) * ld + n0 + (j >> 1) * 8);
+  } else {
+    wm_b_cols(b[0], b[1], s, ld, n0, k0, lane >> 2, lane & 3);
+    wm_b_cols(b[2], b[3], s, ld, n0 + 8, k0, lane >> 2, lane & 3);
+  }
+}
+
 // One [64][D] tile of a (window, head) in registers: 16-byte words, rows >= N zero.
 template <int D>
 struct WmTile {
@@ -501,24 +550,32 @@ __device__ __forceinline__ void wm_bias_table(float* bm, const float* __restrict
 
 // s = scale * Q K^T + table for this warp's 16 rows, then the row softmax in place: on return
 // s holds exp(s - rowmax) and inv[0], inv[1] the reciprocal row sums of rows g and g + 8.
+// acc[8][4] = A B^T for this warp's 16 rows: A(m, k) = As[m * ld + k], B(n, k) = Bs[n * ld + k]
+// over k < D (Q K^T, dO V^T).
+template <typename T, int D>
+__device__ __forceinline__ void wm_rows_times_rows(float (&acc)[8][4], const u16* As,
+                                                   const u16* Bs, int m0, int g, int t) {
+  constexpr int LD = D + 8;
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    u32 a[4];
+    wm_a_rows(a, As, LD, m0, kk * 16, g, t);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      u32 b0, b1;
+      wm_b_rows(b0, b1, Bs, LD, nt * 8, kk * 16, g, t);
+      wm_mma<T>(acc[nt], a, b0, b1);
+    }
+  }
+}
+
 template <typename T, int D>
 __device__ __forceinline__ void wm_scores_softmax(float (&s)[8][4], float (&inv)[2], const u16* Qs,
                                                   const u16* Ks, const float* bm, float scale,
                                                   int m0, int g, int t) {
-  constexpr int LD = D + 8;
-#pragma unroll
-  for (int nt = 0; nt < 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) {
-    u32 a[4];
-    wm_a_rows(a, Qs, LD, m0, kk * 16, g, t);
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      u32 b0, b1;
-      wm_b_rows(b0, b1, Ks, LD, nt * 8, kk * 16, g, t);
-      wm_mma<T>(s[nt], a, b0, b1);
-    }
-  }
+  wm_rows_times_rows<T, D>(s, Qs, Ks, m0, g, t);
   float mx[2] = {neg_inf(), neg_inf()};
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt) {
@@ -575,23 +632,69 @@ __device__ __forceinline__ void wm_regs_times(float (&acc)[D / 8][4], const floa
   }
 }
 
-// acc[D/8][4] = A^T (rows m0.. of the transpose of the [64][64] tile As) x B (64 x D),
-// B(k, n) = Bs[k * ld + n].
-template <typename T, int D>
-__device__ __forceinline__ void wm_tile_t_times(float (&acc)[D / 8][4], const u16* As,
-                                                const u16* Bs, int ld, int m0, int g, int t) {
+// wm_regs_times with A already packed to 16-bit pairs (c[nt][r]: rows g + 8r of n-tile nt, as
+// wm_pack would give them) and B(k, n) = Bs[k * ld + n].
+template <typename T, int D, bool LDM>
+__device__ __forceinline__ void wm_packed_times(float (&acc)[D / 8][4], const u32 (&c)[8][2],
+                                                const u16* Bs, int ld, int lane) {
 #pragma unroll
   for (int nt = 0; nt < D / 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) {
-    u32 a[4];
-    wm_a_cols(a, As, WM_LDP, m0, kk * 16, g, t);
+    const u32 a[4] = {c[2 * kk][0], c[2 * kk][1], c[2 * kk + 1][0], c[2 * kk + 1][1]};
 #pragma unroll
-    for (int nt = 0; nt < D / 8; ++nt) {
-      u32 b0, b1;
-      wm_b_cols(b0, b1, Bs, ld, nt * 8, kk * 16, g, t);
-      wm_mma<T>(acc[nt], a, b0, b1);
+    for (int nt = 0; nt < D / 8; nt += 2) {
+      u32 b[4];
+      wm_b_cols2<LDM>(b, Bs, ld, nt * 8, kk * 16, lane);
+      wm_mma<T>(acc[nt], a, b[0], b[1]);
+      wm_mma<T>(acc[nt + 1], a, b[2], b[3]);
     }
+  }
+}
+
+// acc[D/8][4] = A^T (rows m0.. of the transpose of the [64][64] tile As) x B (64 x D),
+// B(k, n) = Bs[k * ld + n].
+template <typename T, int D, bool LDM, int KU = 4>
+__device__ __forceinline__ void wm_tile_t_times(float (&acc)[D / 8][4], const u16* As,
+                                                const u16* Bs, int ld, int m0, int g, int t) {
+  const int lane = g * 4 + t;
+#pragma unroll
+  for (int nt = 0; nt < D / 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+#pragma unroll KU
+  for (int kk = 0; kk < 4; ++kk) {
+    u32 a[4];
+    if (LDM) {
+      wm_a_cols_<LDM>(a, As, WM_LDP, m0, kk * 16, lane);
+    } else {
+      wm_a_cols(a, As, WM_LDP, m0, kk * 16, g, t);
+    }
+    if (LDM) {
+#pragma unroll
+      for (int nt = 0; nt < D / 8; nt += 2) {
+        u32 b[4];
+        wm_b_cols2<LDM>(b, Bs, ld, nt * 8, kk * 16, lane);
+        wm_mma<T>(acc[nt], a, b[0], b[1]);
+        wm_mma<T>(acc[nt + 1], a, b[2], b[3]);
+      }
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < D / 8; ++nt) {
+        u32 b0, b1;
+        wm_b_cols(b0, b1, Bs, ld, nt * 8, kk * 16, g, t);
+        wm_mma<T>(acc[nt], a, b0, b1);
+      }
+    }
+  }
+}
+
+// Rows m0 + g, m0 + g + 8 of a [64][WM_LDP] 16-bit tile from packed C fragments (P or dS).
+__device__ __forceinline__ void wm_put_rows(u16* dst, const u32 (&c)[8][2], int m0, int g, int t) {
+  const int r0 = m0 + g, r1 = r0 + 8;
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+    const int col = nt * 8 + 2 * t;
+    *reinterpret_cast<u32*>(dst + r0 * WM_LDP + col) = c[nt][0];
+    *reinterpret_cast<u32*>(dst + r1 * WM_LDP + col) = c[nt][1];
   }
 }
 
@@ -656,7 +759,12 @@ __device__ __forceinline__ void mma_forward_body(
   }
 }
 
-template <typename T, int D>
+// LDM: fragments through ldmatrix. ALIAS: P and dS share one [64][WM_LDP] tile (8.4 KiB less
+// shared memory: one barrier more per window, dS kept in registers through dV) and the tiles
+// of the next window are not prefetched into registers (32 registers less); the two together
+// fit four blocks per SM at 128 registers (WM_BACKWARD_V's MINB) where the prefetching,
+// separate-tile kernel fits three. The maths and its rounding are the same in every variant.
+template <typename T, int D, bool LDM, bool ALIAS>
 __device__ __forceinline__ void mma_backward_body(
     const T* __restrict__ dout, const T* __restrict__ q, const T* __restrict__ k,
     const T* __restrict__ v, const float* __restrict__ bias, const float* __restrict__ mask,
@@ -665,13 +773,14 @@ __device__ __forceinline__ void mma_backward_body(
     int B_, int nH, int N, int nW, float scale) {
   extern __shared__ __attribute__((aligned(16))) u32 wm_smem[];
   constexpr int LD = D + 8;
+  constexpr bool PREFETCH = !ALIAS;
   float* bm = reinterpret_cast<float*>(wm_smem);
   u16* Qs = reinterpret_cast<u16*>(bm + WM_ROWS * WM_LDB);
   u16* Ks = Qs + WM_ROWS * LD;
   u16* Vs = Ks + WM_ROWS * LD;
   u16* dOs = Vs + WM_ROWS * LD;
-  u16* Ps = dOs + WM_ROWS * LD;     // [64][WM_LDP]: P, row-major
-  u16* dSs = Ps + WM_ROWS * WM_LDP;  // [64][WM_LDP]: dS, row-major
+  u16* Ps = dOs + WM_ROWS * LD;                         // [64][WM_LDP]: P, row-major
+  u16* dSs = ALIAS ? Ps : Ps + WM_ROWS * WM_LDP;        // [64][WM_LDP]: dS, row-major
   const int h = blockIdx.y, g0 = blockIdx.x;
   const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
   const int g = lane >> 2, t = lane & 3, m0 = warp * 16;
@@ -681,7 +790,7 @@ __device__ __forceinline__ void mma_backward_body(
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt) db[nt][0] = db[nt][1] = db[nt][2] = db[nt][3] = 0.f;
   WmTile<D> tq, tk, tv, td;
-  if (g0 < B_) {
+  if (PREFETCH && g0 < B_) {
     tq.load(q + (i64)g0 * qb + (i64)h * qh, qn, N);
     tk.load(k + (i64)g0 * kb + (i64)h * kh, kn, N);
     tv.load(v + (i64)g0 * vb + (i64)h * vh, vn, N);
@@ -689,13 +798,19 @@ __device__ __forceinline__ void mma_backward_body(
   }
   for (int b = g0; b < B_; b += gridDim.x) {
     __syncthreads();  // the previous window is done with every tile
+    if (!PREFETCH) {
+      tq.load(q + (i64)b * qb + (i64)h * qh, qn, N);
+      tk.load(k + (i64)b * kb + (i64)h * kh, kn, N);
+      tv.load(v + (i64)b * vb + (i64)h * vh, vn, N);
+      td.load(dout + (i64)b * gb + (i64)h * gh, gn, N);
+    }
     tq.store(Qs);
     tk.store(Ks);
     tv.store(Vs);
     td.store(dOs);
     __syncthreads();
     const int nb = b + gridDim.x;
-    if (nb < B_) {
+    if (PREFETCH && nb < B_) {
       tq.load(q + (i64)nb * qb + (i64)h * qh, qn, N);
       tk.load(k + (i64)nb * kb + (i64)h * kh, kn, N);
       tv.load(v + (i64)nb * vb + (i64)h * vh, vn, N);
@@ -704,21 +819,8 @@ __device__ __forceinline__ void mma_backward_body(
     const i64 obh = ((i64)b * nH + h) * N * D;
     float p[8][4], inv[2];
     wm_scores_softmax<T, D>(p, inv, Qs, Ks, bm, scale, m0, g, t);
-    // dP = dO V^T for the warp's rows
-    float ds[8][4];
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) ds[nt][0] = ds[nt][1] = ds[nt][2] = ds[nt][3] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      u32 a[4];
-      wm_a_rows(a, dOs, LD, m0, kk * 16, g, t);
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-        u32 b0, b1;
-        wm_b_rows(b0, b1, Vs, LD, nt * 8, kk * 16, g, t);
-        wm_mma<T>(ds[nt], a, b0, b1);
-      }
-    }
+    float ds[8][4];  // dP = dO V^T for the warp's rows
+    wm_rows_times_rows<T, D>(ds, dOs, Vs, m0, g, t);
     // P normalised (0 in padded rows), D_i = rowsum(P * dP), dS = P (dP - D_i)
     const float keep[2] = {m0 + g < N ? inv[0] : 0.f, m0 + g + 8 < N ? inv[1] : 0.f};
     float dot[2] = {0.f, 0.f};
@@ -735,6 +837,7 @@ __device__ __forceinline__ void mma_backward_body(
       dot[r] += __shfl_xor_sync(0xffffffffu, dot[r], 1);
       dot[r] += __shfl_xor_sync(0xffffffffu, dot[r], 2);
     }
+    u32 dsp[8][2];  // dS packed to 16-bit pairs, as the tile and the A operand take it
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
       const int col = nt * 8 + 2 * t;
@@ -746,23 +849,43 @@ __device__ __forceinline__ void mma_backward_body(
       const int r0 = m0 + g, r1 = r0 + 8;
       *reinterpret_cast<u32*>(Ps + r0 * WM_LDP + col) = wm_pack<T>(p[nt][0], p[nt][1]);
       *reinterpret_cast<u32*>(Ps + r1 * WM_LDP + col) = wm_pack<T>(p[nt][2], p[nt][3]);
-      *reinterpret_cast<u32*>(dSs + r0 * WM_LDP + col) = wm_pack<T>(ds[nt][0], ds[nt][1]);
-      *reinterpret_cast<u32*>(dSs + r1 * WM_LDP + col) = wm_pack<T>(ds[nt][2], ds[nt][3]);
+      if (ALIAS) {
+        dsp[nt][0] = wm_pack<T>(ds[nt][0], ds[nt][1]);
+        dsp[nt][1] = wm_pack<T>(ds[nt][2], ds[nt][3]);
+      }
+      if (!ALIAS) {
+        *reinterpret_cast<u32*>(dSs + r0 * WM_LDP + col) = wm_pack<T>(ds[nt][0], ds[nt][1]);
+        *reinterpret_cast<u32*>(dSs + r1 * WM_LDP + col) = wm_pack<T>(ds[nt][2], ds[nt][3]);
+      }
     }
-    {  // dQ = scale dS K, dS straight from registers
-      float acc[D / 8][4];
-      wm_regs_times<T, D>(acc, ds, Ks, LD, g, t);
-      wm_store<T, D>(dq + obh, D, acc, scale, scale, m0, N, g, t);
+    if (!ALIAS) {
+      {  // dQ = scale dS K, dS straight from registers
+        float acc[D / 8][4];
+        wm_regs_times<T, D>(acc, ds, Ks, LD, g, t);
+        wm_store<T, D>(dq + obh, D, acc, scale, scale, m0, N, g, t);
+      }
+      __syncthreads();  // P and dS of every row are in shared memory
+    } else {
+      __syncthreads();  // P of every row is in shared memory
     }
-    __syncthreads();  // P and dS of every row are in shared memory
     {  // dV = P^T dO for key rows m0..
       float acc[D / 8][4];
-      wm_tile_t_times<T, D>(acc, Ps, dOs, LD, m0, g, t);
+      wm_tile_t_times<T, D, LDM, ALIAS || LDM ? 1 : 4>(acc, Ps, dOs, LD, m0, g, t);
       wm_store<T, D>(dv + obh, D, acc, 1.f, 1.f, m0, N, g, t);
+    }
+    if (ALIAS) {
+      __syncthreads();  // every warp is done with P: dS takes its tile
+      wm_put_rows(dSs, dsp, m0, g, t);
+      {  // dQ = scale dS K, dS straight from registers
+        float acc[D / 8][4];
+        wm_packed_times<T, D, LDM>(acc, dsp, Ks, LD, lane);
+        wm_store<T, D>(dq + obh, D, acc, scale, scale, m0, N, g, t);
+      }
+      __syncthreads();  // dS of every row is in shared memory
     }
     {  // dK = scale dS^T Q
       float acc[D / 8][4];
-      wm_tile_t_times<T, D>(acc, dSs, Qs, LD, m0, g, t);
+      wm_tile_t_times<T, D, LDM, ALIAS || LDM ? 1 : 4>(acc, dSs, Qs, LD, m0, g, t);
       wm_store<T, D>(dk + obh, D, acc, scale, scale, m0, N, g, t);
     }
   }
@@ -788,21 +911,41 @@ __device__ __forceinline__ void mma_backward_body(
                            on, B_, nH, N, nW, scale);                                            \
   }
 
-#define WM_BACKWARD(NAME, T, D)                                                                  \
-  extern "C" __global__ void __launch_bounds__(WA_THREADS)                                       \
+// A variant of the backward: its entry points, minimum blocks per SM (__launch_bounds__: caps
+// the registers at 65536 / (128 * MINB)), and the body's switches. The host declares each
+// variant once (BWD_VARIANTS in ops/_window_attention_kernels.py).
+#define WM_BACKWARD_V(NAME, T, D, MINB, LDM, ALIAS)                                               \
+  extern "C" __global__ void __launch_bounds__(WA_THREADS, MINB > 1 ? MINB : 0)                  \
       NAME(const T* dout, const T* q, const T* k, const T* v, const float* bias,                 \
            const float* mask, T* dq, T* dk, T* dv, float* dbias, i64 qb, i64 qh, i64 qn, i64 kb,  \
            i64 kh, i64 kn, i64 vb, i64 vh, i64 vn, i64 gb, i64 gh, i64 gn, int B_, int nH, int N, \
            int nW, float scale) {                                                                 \
-    mma_backward_body<T, D>(dout, q, k, v, bias, mask, dq, dk, dv, dbias, qb, qh, qn, kb, kh, kn, \
-                            vb, vh, vn, gb, gh, gn, B_, nH, N, nW, scale);                       \
+    mma_backward_body<T, D, LDM, ALIAS>(dout, q, k, v, bias, mask, dq, dk, dv, dbias, qb, qh, qn, \
+                                        kb, kh, kn, vb, vh, vn, gb, gh, gn, B_, nH, N, nW,       \
+                                        scale);                                                  \
   }
 
 WM_FORWARD(window_attention_mma_fwd_f16_d32, half_t, 32)
 WM_FORWARD(window_attention_mma_fwd_f16_d64, half_t, 64)
 WM_FORWARD(window_attention_mma_fwd_bf16_d32, bf16_t, 32)
 WM_FORWARD(window_attention_mma_fwd_bf16_d64, bf16_t, 64)
-WM_BACKWARD(window_attention_mma_bwd_f16_d32, half_t, 32)
-WM_BACKWARD(window_attention_mma_bwd_f16_d64, half_t, 64)
-WM_BACKWARD(window_attention_mma_bwd_bf16_d32, bf16_t, 32)
-WM_BACKWARD(window_attention_mma_bwd_bf16_d64, bf16_t, 64)
+// "base": prefetch in registers, P and dS apart, 32/16-bit fragment reads
+WM_BACKWARD_V(window_attention_mma_bwd_f16_d32, half_t, 32, 1, false, false)
+WM_BACKWARD_V(window_attention_mma_bwd_f16_d64, half_t, 64, 1, false, false)
+WM_BACKWARD_V(window_attention_mma_bwd_bf16_d32, bf16_t, 32, 1, false, false)
+WM_BACKWARD_V(window_attention_mma_bwd_bf16_d64, bf16_t, 64, 1, false, false)
+// "ldm": base with ldmatrix fragments
+WM_BACKWARD_V(window_attention_mma_bwd_ldm_f16_d32, half_t, 32, 3, true, false)
+WM_BACKWARD_V(window_attention_mma_bwd_ldm_f16_d64, half_t, 64, 1, true, false)
+WM_BACKWARD_V(window_attention_mma_bwd_ldm_bf16_d32, bf16_t, 32, 3, true, false)
+WM_BACKWARD_V(window_attention_mma_bwd_ldm_bf16_d64, bf16_t, 64, 1, true, false)
+// "alias": P/dS one tile, no prefetch, four blocks per SM
+WM_BACKWARD_V(window_attention_mma_bwd_alias_f16_d32, half_t, 32, 4, false, true)
+WM_BACKWARD_V(window_attention_mma_bwd_alias_f16_d64, half_t, 64, 3, false, true)
+WM_BACKWARD_V(window_attention_mma_bwd_alias_bf16_d32, bf16_t, 32, 4, false, true)
+WM_BACKWARD_V(window_attention_mma_bwd_alias_bf16_d64, bf16_t, 64, 3, false, true)
+// "alias_ldm": alias with ldmatrix fragments
+WM_BACKWARD_V(window_attention_mma_bwd_alias_ldm_f16_d32, half_t, 32, 4, true, true)
+WM_BACKWARD_V(window_attention_mma_bwd_alias_ldm_f16_d64, half_t, 64, 3, true, true)
+WM_BACKWARD_V(window_attention_mma_bwd_alias_ldm_bf16_d32, bf16_t, 32, 4, true, true)
+WM_BACKWARD_V(window_attention_mma_bwd_alias_ldm_bf16_d64, bf16_t, 64, 3, true, true)

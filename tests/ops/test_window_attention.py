@@ -200,6 +200,11 @@ def test_mma_shared_memory_fits_and_alignment_copies():
     # the kernels' layout (WM_* in the source): table + tiles (+ P and dS) within 227 KiB
     assert wac._mma_smem_bytes(32, backward=False) == 64 * 72 * 4 + 3 * 64 * 40 * 2
     assert wac._mma_smem_bytes(64, backward=True) == 64 * 72 * 4 + 4 * 64 * 72 * 2 + 64 * 72 * 4
+    # P and dS in one tile: four blocks fit in an H100 SM's 228 KiB at D = 32
+    assert (
+        wac._mma_smem_bytes(32, True, alias_ps=True) == 64 * 72 * 4 + 4 * 64 * 40 * 2 + 64 * 72 * 2
+    )
+    assert 228 * 1024 // (wac._mma_smem_bytes(32, True, alias_ps=True) + 1024) == 4
     assert max(wac._mma_smem_bytes(d, b) for d in (32, 64) for b in (False, True)) < 227 * 1024
     x = torch.randn(4, 3, 49, 3, 32, dtype=torch.float16).permute(3, 0, 1, 2, 4)[0]
     assert wac._mma_ready(x) is x  # timm's qkv view: aligned, 8-element strides, no copy
@@ -209,7 +214,7 @@ def test_mma_shared_memory_fits_and_alignment_copies():
     assert fixed.data_ptr() % 16 == 0
 
 
-@pytest.mark.parametrize("regs", [80, 168, 234])
+@pytest.mark.parametrize("regs", [80, 128, 168, 234])
 def test_mma_grid_keeps_one_mask_per_block(monkeypatch, regs):
     # the mma kernels fold mask[g % nW] into each block's table once: G must be a multiple of nW
     # (and at most B*nW); one wave when nW x nH blocks fit at all
@@ -279,6 +284,64 @@ def test_layouts_reach_the_kernels_as_strides_without_copies(launches, kernel):
     assert out.shape == q.shape and (args["ob"], args["oh"], args["on"]) == out.stride()[:3]
 
 
+@pytest.mark.parametrize("variant", list(wa.BWD_VARIANTS))
+def test_each_bwd_variant_launches_its_kernel_with_its_shared_memory(launches, variant):
+    q, k, v, dout = (torch.randn(8, 3, 49, 32).half() for _ in range(4))
+    bias, mask = torch.randn(3, 49, 49), torch.zeros(2, 49, 49)
+    wac._attention_backward_cuda_with("mma", dout, q, k, v, bias, mask, 0.3, variant)
+    (launch,) = launches.launches
+    infix = wa.BWD_VARIANTS[variant].infix
+    assert launch["name"] == f"window_attention_mma_bwd_{infix}f16_d32"
+    alias = wa.BWD_VARIANTS[variant].alias_ps
+    assert launch["dims"][6] == wac._mma_smem_bytes(32, True, alias)
+    assert launch["args"]["dout"] == dout.data_ptr()
+    with pytest.raises(ValueError, match="variant must be one of"):
+        wac._attention_backward_cuda_with("mma", dout, q, k, v, bias, mask, 0.3, "fast")
+
+
+def test_bwd_variants_are_declared_as_the_source_builds_them():
+    # each variant: one WM_BACKWARD_V line per dtype and head dim, its ALIAS switch the
+    # shared-memory layout the host sizes
+    import re
+
+    from aiak.ops import _cuda
+
+    lines = re.findall(
+        r"^WM_BACKWARD_V\((\w+), \w+, (\d+), (\d+), (true|false), (true|false)\)",
+        _cuda.kernel_source("window_attention.cu"),
+        re.M,
+    )
+    built = {name: (int(d), alias == "true") for name, d, _, _, alias in lines}
+    declared = {}
+    for variant in wa.BWD_VARIANTS.values():
+        for code in ("f16", "bf16"):
+            for d in (32, 64):
+                declared[f"window_attention_mma_bwd_{variant.infix}{code}_d{d}"] = (
+                    d,
+                    variant.alias_ps,
+                )
+    assert built == declared
+    assert wa.DEFAULT_BWD_VARIANT in wa.BWD_VARIANTS
+
+
+def test_bwd_variant_is_read_once_and_checked(monkeypatch):
+    wa.bwd_variant.cache_clear()
+    monkeypatch.setenv(wa.BWD_VARIANT_ENV, "alias")
+    try:
+        assert wa.bwd_variant() == "alias"
+        monkeypatch.setenv(wa.BWD_VARIANT_ENV, "ldm")
+        assert wa.bwd_variant() == "alias"  # fixed for the process once read
+        wa.bwd_variant.cache_clear()
+        monkeypatch.setenv(wa.BWD_VARIANT_ENV, "fastest")
+        with pytest.raises(ValueError, match="AIAK_WINDOW_ATTENTION_BWD"):
+            wa.bwd_variant()
+        wa.bwd_variant.cache_clear()
+        monkeypatch.delenv(wa.BWD_VARIANT_ENV)
+        assert wa.bwd_variant() == wa.DEFAULT_BWD_VARIANT
+    finally:
+        wa.bwd_variant.cache_clear()
+
+
 def test_cuda_entry_on_cpu_falls_back_with_one_warning():
     q, k, v, bias, mask = inputs(4, 2, 5, 8, 2, dtype=torch.float16)
     with warnings.catch_warnings(record=True) as rec:
@@ -336,6 +399,8 @@ def test_opcheck_cpu():
 # ------------------------------------------------------------------------------------------
 
 HALF_TOL = {torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
+# every backward kernel: the scalar one and each variant of the mma one
+KERNEL_VARIANTS = [("scalar", wa.DEFAULT_BWD_VARIANT)] + [("mma", v) for v in wa.BWD_VARIANTS]
 
 
 # every Swin-T stage (heads, windows per image, an odd batch) with and without the mask in fp16
@@ -360,9 +425,9 @@ KERNEL_CASES = [
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("kernel", wa.KERNEL_CHOICES)
+@pytest.mark.parametrize(("kernel", "variant"), KERNEL_VARIANTS)
 @pytest.mark.parametrize(("windows", "heads", "n", "d", "nw", "dtype"), KERNEL_CASES)
-def test_kernel_matches_reference(kernel, windows, heads, n, d, nw, dtype):
+def test_kernel_matches_reference(kernel, variant, windows, heads, n, d, nw, dtype):
     dev = "cuda"
     q, k, v, bias, mask = inputs(windows, heads, n, d, nw, dtype=dtype, device=dev)
     bias = bias.float()
@@ -375,7 +440,7 @@ def test_kernel_matches_reference(kernel, windows, heads, n, d, nw, dtype):
     if exact is not None:
         assert _rel(out, exact) < HALF_TOL[dtype]
     dout = torch.randn_like(q)
-    got = wac._attention_backward_cuda_with(kernel, dout, q, k, v, bias, mask, scale)
+    got = wac._attention_backward_cuda_with(kernel, dout, q, k, v, bias, mask, scale, variant)
     want = war._attention_backward_reference(
         dout.double(), q.double(), k.double(), v.double(), bias.double(), mask, scale
     )
@@ -386,8 +451,8 @@ def test_kernel_matches_reference(kernel, windows, heads, n, d, nw, dtype):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("kernel", wa.KERNEL_CHOICES)
-def test_kernel_reads_unaligned_and_strided_views(kernel):
+@pytest.mark.parametrize(("kernel", "variant"), KERNEL_VARIANTS)
+def test_kernel_reads_unaligned_and_strided_views(kernel, variant):
     # a 2-byte offset into the storage and odd strides: the mma path copies, scalar reads
     base = torch.randn(6 * 3 * 49 * 33 + 1, device="cuda", dtype=torch.float16)
     q = base[1:].view(6, 3, 49, 33)[..., :32]
@@ -398,15 +463,15 @@ def test_kernel_reads_unaligned_and_strided_views(kernel):
     ref = war._attention_reference(q.contiguous(), k, v, bias, mask, 0.2)
     assert _rel(out, ref) < HALF_TOL[torch.float16]
     dout = torch.randn(6, 3, 49, 32, device="cuda", dtype=torch.float16)
-    got = wac._attention_backward_cuda_with(kernel, dout, q, k, v, bias, mask, 0.2)
+    got = wac._attention_backward_cuda_with(kernel, dout, q, k, v, bias, mask, 0.2, variant)
     want = war._attention_backward_reference(dout, q.contiguous(), k, v, bias, mask, 0.2)
     for g, w in zip(got, want):
         assert _rel(g, w) < 2 * HALF_TOL[torch.float16]
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("kernel", wa.KERNEL_CHOICES)
-def test_kernel_tokens_first_output_and_strided_grads(kernel):
+@pytest.mark.parametrize(("kernel", "variant"), KERNEL_VARIANTS)
+def test_kernel_tokens_first_output_and_strided_grads(kernel, variant):
     # the [B_, N, nH, D] output is the default one transposed, bit for bit; the backward reads
     # a transposed grad in place (aligned) or through a copy (odd strides), same numbers
     windows, heads, n, d = 16, 3, 49, 32
@@ -418,16 +483,34 @@ def test_kernel_tokens_first_output_and_strided_grads(kernel):
     out_t = wac._attention_cuda_with(kernel, q, k, v, bias, mask, 0.2, tokens_first=True)
     assert out_t.shape == (windows, n, heads, d) and torch.equal(out_t, out.transpose(1, 2))
     dense = torch.randn(windows, heads, n, d, device="cuda", dtype=torch.float16)
-    want = wac._attention_backward_cuda_with(kernel, dense, q, k, v, bias, mask, 0.2)
+    want = wac._attention_backward_cuda_with(kernel, dense, q, k, v, bias, mask, 0.2, variant)
     odd = torch.empty(windows, n, heads, d + 1, device="cuda", dtype=torch.float16)[..., :d]
     for grad in (dense.transpose(1, 2).contiguous().transpose(1, 2), odd.transpose(1, 2)):
         grad.copy_(dense)
-        got = wac._attention_backward_cuda_with(kernel, grad, q, k, v, bias, mask, 0.2)
+        got = wac._attention_backward_cuda_with(kernel, grad, q, k, v, bias, mask, 0.2, variant)
         for name, a, b in zip(("dq", "dk", "dv", "dbias"), got, want):
             if name == "dbias":  # fp32 atomics: the order of the sums varies by run
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
             else:
                 assert torch.equal(a, b), name
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("variant", [v for v in wa.BWD_VARIANTS if v != "base"])
+@pytest.mark.parametrize(
+    ("windows", "heads", "n", "d", "nw", "dtype"),
+    [c for c in KERNEL_CASES if c[0] == 64 * 64 or c[2:4] in ((64, 64), (13, 32), (33, 32))],
+)
+def test_bwd_variants_compute_what_base_computes(variant, windows, heads, n, d, nw, dtype):
+    # the same products in the same order: dq, dk, dv bit for bit; the bias gradient's partial
+    # sums follow each variant's grid (fp32 atomics), so it matches to rounding
+    q, k, v, bias, mask = inputs(windows, heads, n, d, nw, dtype=dtype, device="cuda")
+    bias, dout, scale = bias.float(), torch.randn_like(q), d**-0.5
+    base = wac._attention_backward_cuda_with("mma", dout, q, k, v, bias, mask, scale, "base")
+    got = wac._attention_backward_cuda_with("mma", dout, q, k, v, bias, mask, scale, variant)
+    for name, a, b in zip(("dq", "dk", "dv"), got, base):
+        assert torch.equal(a, b), name
+    torch.testing.assert_close(got[3], base[3], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.cuda
