@@ -902,8 +902,10 @@ __device__ __forceinline__ void mma_backward_body(
   }
 }
 
-#define WM_FORWARD(NAME, T, D)                                                                   \
-  extern "C" __global__ void __launch_bounds__(WA_THREADS)                                       \
+// MINB: minimum blocks per SM (0: no register cap); at D = 32 six blocks fit by shared memory,
+// and 80 registers keep six resident.
+#define WM_FORWARD(NAME, T, D, MINB)                                                             \
+  extern "C" __global__ void __launch_bounds__(WA_THREADS, MINB)                                 \
       NAME(const T* q, const T* k, const T* v, const float* bias, const float* mask, T* out,     \
            i64 qb, i64 qh, i64 qn, i64 kb, i64 kh, i64 kn, i64 vb, i64 vh, i64 vn, i64 ob, i64 oh, \
            i64 on, int B_, int nH, int N, int nW, float scale) {                                  \
@@ -925,10 +927,10 @@ __device__ __forceinline__ void mma_backward_body(
                                         scale);                                                  \
   }
 
-WM_FORWARD(window_attention_mma_fwd_f16_d32, half_t, 32)
-WM_FORWARD(window_attention_mma_fwd_f16_d64, half_t, 64)
-WM_FORWARD(window_attention_mma_fwd_bf16_d32, bf16_t, 32)
-WM_FORWARD(window_attention_mma_fwd_bf16_d64, bf16_t, 64)
+WM_FORWARD(window_attention_mma_fwd_f16_d32, half_t, 32, 6)
+WM_FORWARD(window_attention_mma_fwd_f16_d64, half_t, 64, 0)
+WM_FORWARD(window_attention_mma_fwd_bf16_d32, bf16_t, 32, 6)
+WM_FORWARD(window_attention_mma_fwd_bf16_d64, bf16_t, 64, 0)
 // "base": prefetch in registers, P and dS apart, 32/16-bit fragment reads
 WM_BACKWARD_V(window_attention_mma_bwd_f16_d32, half_t, 32, 1, false, false)
 WM_BACKWARD_V(window_attention_mma_bwd_f16_d64, half_t, 64, 1, false, false)
