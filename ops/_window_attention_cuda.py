@@ -23,9 +23,11 @@ from aiak.ops._window_attention_kernels import (
     _KERNELS,
     _THREADS,
     BWD_VARIANTS,
+    FWD_VARIANTS,
     _mma_smem_bytes,
     _smem_floats,
     bwd_variant,
+    fwd_variant,
 )
 from aiak.ops._window_attention_kernels import SOURCE as SOURCE  # window_partition's too
 from aiak.ops._window_attention_ref import (
@@ -187,8 +189,8 @@ def _meta(t: torch.Tensor | None) -> tuple | None:
 
 
 def _plan_key(kernel: str, backward: bool, q, k, v, bias, mask, x=None) -> tuple:
-    """``x``: the forward's ``tokens_first``, or the backward's (variant, dout)."""
-    extra = (x[0], _meta(x[1])) if backward and x is not None else x
+    """``x``: (the mma variant, the forward's ``tokens_first`` or the backward's dout)."""
+    extra = None if x is None else (x[0], _meta(x[1]) if backward else x[1])
     return (kernel, backward, extra, _meta(q), _meta(k), _meta(v), _meta(bias), _meta(mask))
 
 
@@ -202,12 +204,12 @@ def _make_plan(kernel: str, backward: bool, q, k, v, bias, mask, x) -> _Plan:
     windows, heads, n, d = q.shape
     nw = mask.shape[0] if mask is not None else 1
     tail = (*_strides(q), *_strides(k), *_strides(v))
-    tail += _strides(x[1]) if backward else _out_strides(q, x)
+    tail += _strides(x[1]) if backward else _out_strides(q, x[1])
     tail += (windows, heads, n, nw)
     if kernel == "mma":
         variant = BWD_VARIANTS[x[0]] if backward else None
         smem = _mma_smem_bytes(d, backward, variant is not None and variant.alias_ps)
-        launcher, fn = _kernel(f"mma_bwd_{x[0]}" if backward else "mma_fwd", q.dtype, d, smem)
+        launcher, fn = _kernel(f"mma_{'bwd' if backward else 'fwd'}_{x[0]}", q.dtype, d, smem)
         blocks = _mma_blocks(fn, windows, heads, nw, smem)
     else:
         smem = 4 * _smem_floats(n, d, backward)
@@ -247,16 +249,13 @@ def _prepared(kernel: str, backward: bool, q, k, v, bias, mask, x) -> tuple[_Pla
     return plan, ready[:3], x
 
 
-def _cached(kernel: str, q, k, v, bias, mask, scale, x, dout=None) -> _Plan | None:
+def _cached(kernel: str, backward: bool, q, k, v, bias, mask, scale, x) -> _Plan | None:
     """The cached plan when this call can use it as is: the inputs' metadata was checked
     before (it is the key), the kernel is still enabled, same device, pointers aligned."""
-    backward = dout is not None
-    if backward and not isinstance(dout, torch.Tensor):
+    if backward and not isinstance(x[1], torch.Tensor):
         return None
-    plan = _PLANS.get(
-        _plan_key(kernel, backward, q, k, v, bias, mask, (x, dout) if backward else x)
-    )
-    ptrs = q.data_ptr() | k.data_ptr() | v.data_ptr() | (dout.data_ptr() if backward else 0)
+    plan = _PLANS.get(_plan_key(kernel, backward, q, k, v, bias, mask, x))
+    ptrs = q.data_ptr() | k.data_ptr() | v.data_ptr() | (x[1].data_ptr() if backward else 0)
     if (
         plan is None
         or type(scale) is not float
@@ -276,6 +275,13 @@ def _fp32(t: torch.Tensor | None, ready: bool) -> torch.Tensor | None:
     return t if ready else _fp32_contiguous(t)
 
 
+def _check_variant(variant: str, variants: dict) -> None:
+    if variant not in variants:
+        raise ValueError(
+            f"window_attention: variant must be one of {tuple(variants)}, got {variant!r}"
+        )
+
+
 def _check_kernel(kernel: str) -> None:
     if kernel not in KERNEL_CHOICES:
         raise ValueError(
@@ -284,19 +290,23 @@ def _check_kernel(kernel: str) -> None:
 
 
 def _attention_cuda_with(
-    kernel, q, k, v, bias, mask, scale, tokens_first: bool = False
+    kernel, q, k, v, bias, mask, scale, tokens_first: bool = False, variant: str | None = None
 ) -> torch.Tensor:
-    """The forward on CUDA with the ``kernel`` pair (``"mma"`` or ``"scalar"``)."""
-    plan = _cached(kernel, q, k, v, bias, mask, scale, tokens_first)
+    """The forward on CUDA with the ``kernel`` pair (``"mma"`` or ``"scalar"``); ``variant``:
+    the mma forward's (default :func:`fwd_variant`)."""
+    variant = fwd_variant() if variant is None else variant
+    plan = _cached(kernel, False, q, k, v, bias, mask, scale, (variant, tokens_first))
     if plan is None:
         _check_attention(q, k, v, bias, mask, scale)
         _check_kernel(kernel)
+        _check_variant(variant, FWD_VARIANTS)
         if not _use_attention_kernel(q):
             return _attention_reference(q, k, v, bias, mask, scale, tokens_first)
         if q.numel() == 0:
             return _empty_out(q, tokens_first)
         with _cuda.on_device(q.device):
-            plan, (q, k, v), _ = _prepared(kernel, False, q, k, v, bias, mask, tokens_first)
+            x = (variant, tokens_first)
+            plan, (q, k, v), _ = _prepared(kernel, False, q, k, v, bias, mask, x)
             return _forward(plan, q, k, v, bias, mask, scale, tokens_first)
     return _forward(plan, q, k, v, bias, mask, scale, tokens_first)
 
@@ -321,14 +331,11 @@ def _attention_backward_cuda_with(
     the mma backward's (default :func:`bwd_variant`). ``dout`` may be any [B_, nH, N, D] view
     with a contiguous last dim (autograd's grad of a ``tokens_first`` output, transposed)."""
     variant = bwd_variant() if variant is None else variant
-    plan = _cached(kernel, q, k, v, bias, mask, scale, variant, dout)
+    plan = _cached(kernel, True, q, k, v, bias, mask, scale, (variant, dout))
     if plan is None:
         _check_attention(q, k, v, bias, mask, scale)
         _check_kernel(kernel)
-        if variant not in BWD_VARIANTS:
-            raise ValueError(
-                f"window_attention: variant must be one of {tuple(BWD_VARIANTS)}, got {variant!r}"
-            )
+        _check_variant(variant, BWD_VARIANTS)
         _check_grad(dout, q)
         if not _use_attention_kernel(q):
             return _attention_backward_reference(dout, q, k, v, bias, mask, scale)

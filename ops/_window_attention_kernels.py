@@ -14,7 +14,17 @@ import torch
 
 from aiak.ops._driver import Kernel
 
-__all__ = ["BWD_VARIANTS", "BWD_VARIANT_ENV", "DEFAULT_BWD_VARIANT", "BwdVariant", "bwd_variant"]
+__all__ = [
+    "BWD_VARIANTS",
+    "BWD_VARIANT_ENV",
+    "DEFAULT_BWD_VARIANT",
+    "DEFAULT_FWD_VARIANT",
+    "FWD_VARIANTS",
+    "FWD_VARIANT_ENV",
+    "BwdVariant",
+    "bwd_variant",
+    "fwd_variant",
+]
 
 SOURCE = "window_attention.cu"
 _CODE = {torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -55,26 +65,55 @@ BWD_VARIANT_ENV = "AIAK_WINDOW_ATTENTION_BWD"
 DEFAULT_BWD_VARIANT = "base"
 
 
+# The mma forward's variants (entry point infixes), selected by AIAK_WINDOW_ATTENTION_FWD (read
+# once per process); one WM_FORWARD_V line per dtype and head dim each in the source.
+FWD_VARIANTS = {
+    "base": "",  # 32/16-bit fragment reads, 80 registers at D = 32 (six blocks per SM)
+    "ldm": "ldm_",  # V's fragments by ldmatrix.trans, 96 registers at D = 32 (five blocks)
+}
+FWD_VARIANT_ENV = "AIAK_WINDOW_ATTENTION_FWD"
+DEFAULT_FWD_VARIANT = "base"
+
+
+def _choice(env: str, choices: dict, default: str) -> str:
+    choice = os.environ.get(env, default)
+    if choice not in choices:
+        raise ValueError(f"{env} must be one of {tuple(choices)}, got {choice!r}")
+    return choice
+
+
 @functools.cache
 def bwd_variant() -> str:
     """The ``mma`` backward variant of this process: ``AIAK_WINDOW_ATTENTION_BWD`` (one of
     :data:`BWD_VARIANTS`) or :data:`DEFAULT_BWD_VARIANT`; read on first use, then fixed."""
-    choice = os.environ.get(BWD_VARIANT_ENV, DEFAULT_BWD_VARIANT)
-    if choice not in BWD_VARIANTS:
-        raise ValueError(f"{BWD_VARIANT_ENV} must be one of {tuple(BWD_VARIANTS)}, got {choice!r}")
-    return choice
+    return _choice(BWD_VARIANT_ENV, BWD_VARIANTS, DEFAULT_BWD_VARIANT)
+
+
+@functools.cache
+def fwd_variant() -> str:
+    """The ``mma`` forward variant of this process: ``AIAK_WINDOW_ATTENTION_FWD`` (one of
+    :data:`FWD_VARIANTS`) or :data:`DEFAULT_FWD_VARIANT`; read on first use, then fixed."""
+    return _choice(FWD_VARIANT_ENV, FWD_VARIANTS, DEFAULT_FWD_VARIANT)
 
 
 def _entry(kind: str, dtype: torch.dtype, d: int) -> str:
-    """The source's entry point of ``kind`` ("fwd", "bwd", "mma_fwd", "mma_bwd_<variant>")."""
+    """The source's entry point of ``kind``: "fwd", "bwd" (scalar), "mma_fwd_<variant>" or
+    "mma_bwd_<variant>"."""
     if kind.startswith("mma_bwd_"):
         kind = "mma_bwd_" + BWD_VARIANTS[kind[8:]].infix
+    elif kind.startswith("mma_fwd_"):
+        kind = "mma_fwd_" + FWD_VARIANTS[kind[8:]]
     else:
         kind += "_"
     return f"window_attention_{kind}{_CODE[dtype]}_d{d}"
 
 
-_KINDS = ("fwd", "bwd", "mma_fwd", *(f"mma_bwd_{v}" for v in BWD_VARIANTS))
+_KINDS = (
+    "fwd",
+    "bwd",
+    *(f"mma_fwd_{v}" for v in FWD_VARIANTS),
+    *(f"mma_bwd_{v}" for v in BWD_VARIANTS),
+)
 _KERNELS = {
     (kind, dtype, d): Kernel(
         SOURCE, _entry(kind, dtype, d), _PARAMS["bwd" if "bwd" in kind else "fwd"]

@@ -611,7 +611,7 @@ __device__ __forceinline__ void wm_scores_softmax(float (&s)[8][4], float (&inv)
 
 // acc[D/8][4] = A (16 x 64, the warp's rows, from registers as C fragments) x B (64 x D), with
 // B(k, n) = Bs[k * ld + n].
-template <typename T, int D>
+template <typename T, int D, bool LDM = false>
 __device__ __forceinline__ void wm_regs_times(float (&acc)[D / 8][4], const float (&c)[8][4],
                                               const u16* Bs, int ld, int g, int t) {
 #pragma unroll
@@ -623,11 +623,21 @@ __device__ __forceinline__ void wm_regs_times(float (&acc)[D / 8][4], const floa
     a[1] = wm_pack<T>(c[2 * kk][2], c[2 * kk][3]);
     a[2] = wm_pack<T>(c[2 * kk + 1][0], c[2 * kk + 1][1]);
     a[3] = wm_pack<T>(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+    if (LDM) {
 #pragma unroll
-    for (int nt = 0; nt < D / 8; ++nt) {
-      u32 b0, b1;
-      wm_b_cols(b0, b1, Bs, ld, nt * 8, kk * 16, g, t);
-      wm_mma<T>(acc[nt], a, b0, b1);
+      for (int nt = 0; nt < D / 8; nt += 2) {
+        u32 b[4];
+        wm_b_cols2<LDM>(b, Bs, ld, nt * 8, kk * 16, g * 4 + t);
+        wm_mma<T>(acc[nt], a, b[0], b[1]);
+        wm_mma<T>(acc[nt + 1], a, b[2], b[3]);
+      }
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < D / 8; ++nt) {
+        u32 b0, b1;
+        wm_b_cols(b0, b1, Bs, ld, nt * 8, kk * 16, g, t);
+        wm_mma<T>(acc[nt], a, b0, b1);
+      }
     }
   }
 }
@@ -716,7 +726,8 @@ __device__ __forceinline__ void wm_store(T* __restrict__ dst, i64 sn, const floa
   }
 }
 
-template <typename T, int D>
+// LDM: V's fragments (the B operand of P V, a transposed read) through ldmatrix.trans.
+template <typename T, int D, bool LDM>
 __device__ __forceinline__ void mma_forward_body(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const float* __restrict__ bias, const float* __restrict__ mask, T* __restrict__ out, i64 qb,
@@ -754,7 +765,7 @@ __device__ __forceinline__ void mma_forward_body(
     float s[8][4], inv[2];
     wm_scores_softmax<T, D>(s, inv, Qs, Ks, bm, scale, m0, g, t);
     float o[D / 8][4];
-    wm_regs_times<T, D>(o, s, Vs, LD, g, t);
+    wm_regs_times<T, D, LDM>(o, s, Vs, LD, g, t);
     wm_store<T, D>(out + (i64)b * ob + (i64)h * oh, on, o, inv[0], inv[1], m0, N, g, t);
   }
 }
@@ -902,14 +913,15 @@ __device__ __forceinline__ void mma_backward_body(
   }
 }
 
-// MINB: minimum blocks per SM (0: no register cap); at D = 32 six blocks fit by shared memory,
-// and 80 registers keep six resident.
-#define WM_FORWARD(NAME, T, D, MINB)                                                             \
+// A variant of the forward (FWD_VARIANTS in ops/_window_attention_kernels.py). MINB: minimum
+// blocks per SM (0: no register cap); at D = 32 six blocks fit by shared memory, and 80
+// registers keep six resident.
+#define WM_FORWARD_V(NAME, T, D, MINB, LDM)                                                      \
   extern "C" __global__ void __launch_bounds__(WA_THREADS, MINB)                                 \
       NAME(const T* q, const T* k, const T* v, const float* bias, const float* mask, T* out,     \
            i64 qb, i64 qh, i64 qn, i64 kb, i64 kh, i64 kn, i64 vb, i64 vh, i64 vn, i64 ob, i64 oh, \
            i64 on, int B_, int nH, int N, int nW, float scale) {                                  \
-    mma_forward_body<T, D>(q, k, v, bias, mask, out, qb, qh, qn, kb, kh, kn, vb, vh, vn, ob, oh, \
+    mma_forward_body<T, D, LDM>(q, k, v, bias, mask, out, qb, qh, qn, kb, kh, kn, vb, vh, vn, ob, oh, \
                            on, B_, nH, N, nW, scale);                                            \
   }
 
@@ -927,10 +939,16 @@ __device__ __forceinline__ void mma_backward_body(
                                         scale);                                                  \
   }
 
-WM_FORWARD(window_attention_mma_fwd_f16_d32, half_t, 32, 6)
-WM_FORWARD(window_attention_mma_fwd_f16_d64, half_t, 64, 0)
-WM_FORWARD(window_attention_mma_fwd_bf16_d32, bf16_t, 32, 6)
-WM_FORWARD(window_attention_mma_fwd_bf16_d64, bf16_t, 64, 0)
+// forward "base": 32/16-bit fragment reads
+WM_FORWARD_V(window_attention_mma_fwd_f16_d32, half_t, 32, 6, false)
+WM_FORWARD_V(window_attention_mma_fwd_f16_d64, half_t, 64, 0, false)
+WM_FORWARD_V(window_attention_mma_fwd_bf16_d32, bf16_t, 32, 6, false)
+WM_FORWARD_V(window_attention_mma_fwd_bf16_d64, bf16_t, 64, 0, false)
+// forward "ldm": V's fragments by ldmatrix.trans
+WM_FORWARD_V(window_attention_mma_fwd_ldm_f16_d32, half_t, 32, 5, true)
+WM_FORWARD_V(window_attention_mma_fwd_ldm_f16_d64, half_t, 64, 0, true)
+WM_FORWARD_V(window_attention_mma_fwd_ldm_bf16_d32, bf16_t, 32, 5, true)
+WM_FORWARD_V(window_attention_mma_fwd_ldm_bf16_d64, bf16_t, 64, 0, true)
 // "base": prefetch in registers, P and dS apart, 32/16-bit fragment reads
 WM_BACKWARD_V(window_attention_mma_bwd_f16_d32, half_t, 32, 1, false, false)
 WM_BACKWARD_V(window_attention_mma_bwd_f16_d64, half_t, 64, 1, false, false)

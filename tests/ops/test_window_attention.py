@@ -299,6 +299,20 @@ def test_each_bwd_variant_launches_its_kernel_with_its_shared_memory(launches, v
         wac._attention_backward_cuda_with("mma", dout, q, k, v, bias, mask, 0.3, "fast")
 
 
+@pytest.mark.parametrize("variant", list(wa.FWD_VARIANTS))
+def test_each_fwd_variant_launches_its_kernel(launches, variant):
+    q, k, v = (torch.randn(8, 3, 49, 32).half() for _ in range(3))
+    bias, mask = torch.randn(3, 49, 49), torch.zeros(2, 49, 49)
+    out = wac._attention_cuda_with("mma", q, k, v, bias, mask, 0.3, True, variant)
+    (launch,) = launches.launches
+    infix = wa.FWD_VARIANTS[variant]
+    assert launch["name"] == f"window_attention_mma_fwd_{infix}f16_d32"
+    assert launch["dims"][6] == wac._mma_smem_bytes(32, False)
+    assert launch["args"]["out"] == out.data_ptr()
+    with pytest.raises(ValueError, match="variant must be one of"):
+        wac._attention_cuda_with("mma", q, k, v, bias, mask, 0.3, True, "fast")
+
+
 def test_bwd_variants_are_declared_as_the_source_builds_them():
     # each variant: one WM_BACKWARD_V line per dtype and head dim, its ALIAS switch the
     # shared-memory layout the host sizes
@@ -322,24 +336,44 @@ def test_bwd_variants_are_declared_as_the_source_builds_them():
                 )
     assert built == declared
     assert wa.DEFAULT_BWD_VARIANT in wa.BWD_VARIANTS
+    forwards = re.findall(
+        r"^WM_FORWARD_V\((\w+), \w+, \d+, \d+, (?:true|false)\)",
+        _cuda.kernel_source("window_attention.cu"),
+        re.M,
+    )
+    assert sorted(forwards) == sorted(
+        f"window_attention_mma_fwd_{infix}{code}_d{d}"
+        for infix in wa.FWD_VARIANTS.values()
+        for code in ("f16", "bf16")
+        for d in (32, 64)
+    )
+    assert wa.DEFAULT_FWD_VARIANT in wa.FWD_VARIANTS
 
 
-def test_bwd_variant_is_read_once_and_checked(monkeypatch):
-    wa.bwd_variant.cache_clear()
-    monkeypatch.setenv(wa.BWD_VARIANT_ENV, "alias")
+@pytest.mark.parametrize(
+    ("read", "env", "variants", "default"),
+    [
+        (wa.bwd_variant, wa.BWD_VARIANT_ENV, wa.BWD_VARIANTS, wa.DEFAULT_BWD_VARIANT),
+        (wa.fwd_variant, wa.FWD_VARIANT_ENV, wa.FWD_VARIANTS, wa.DEFAULT_FWD_VARIANT),
+    ],
+)
+def test_variant_switch_is_read_once_and_checked(monkeypatch, read, env, variants, default):
+    first, last = list(variants)[-1], next(iter(variants))
+    read.cache_clear()
+    monkeypatch.setenv(env, first)
     try:
-        assert wa.bwd_variant() == "alias"
-        monkeypatch.setenv(wa.BWD_VARIANT_ENV, "ldm")
-        assert wa.bwd_variant() == "alias"  # fixed for the process once read
-        wa.bwd_variant.cache_clear()
-        monkeypatch.setenv(wa.BWD_VARIANT_ENV, "fastest")
-        with pytest.raises(ValueError, match="AIAK_WINDOW_ATTENTION_BWD"):
-            wa.bwd_variant()
-        wa.bwd_variant.cache_clear()
-        monkeypatch.delenv(wa.BWD_VARIANT_ENV)
-        assert wa.bwd_variant() == wa.DEFAULT_BWD_VARIANT
+        assert read() == first
+        monkeypatch.setenv(env, last)
+        assert read() == first  # fixed for the process once read
+        read.cache_clear()
+        monkeypatch.setenv(env, "fastest")
+        with pytest.raises(ValueError, match=env):
+            read()
+        read.cache_clear()
+        monkeypatch.delenv(env)
+        assert read() == default
     finally:
-        wa.bwd_variant.cache_clear()
+        read.cache_clear()
 
 
 def test_cuda_entry_on_cpu_falls_back_with_one_warning():
@@ -399,8 +433,12 @@ def test_opcheck_cpu():
 # ------------------------------------------------------------------------------------------
 
 HALF_TOL = {torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
-# every backward kernel: the scalar one and each variant of the mma one
-KERNEL_VARIANTS = [("scalar", wa.DEFAULT_BWD_VARIANT)] + [("mma", v) for v in wa.BWD_VARIANTS]
+# every kernel: (pair, mma forward variant, mma backward variant), each variant at least once
+KERNEL_VARIANTS = (
+    [("scalar", "base", "base")]
+    + [("mma", "base", v) for v in wa.BWD_VARIANTS]
+    + [("mma", f, "base") for f in wa.FWD_VARIANTS if f != "base"]
+)
 
 
 # every Swin-T stage (heads, windows per image, an odd batch) with and without the mask in fp16
@@ -425,16 +463,16 @@ KERNEL_CASES = [
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize(("kernel", "variant"), KERNEL_VARIANTS)
+@pytest.mark.parametrize(("kernel", "fwd", "variant"), KERNEL_VARIANTS)
 @pytest.mark.parametrize(("windows", "heads", "n", "d", "nw", "dtype"), KERNEL_CASES)
-def test_kernel_matches_reference(kernel, variant, windows, heads, n, d, nw, dtype):
+def test_kernel_matches_reference(kernel, fwd, variant, windows, heads, n, d, nw, dtype):
     dev = "cuda"
     q, k, v, bias, mask = inputs(windows, heads, n, d, nw, dtype=dtype, device=dev)
     bias = bias.float()
     scale = d**-0.5
     exact = literal_attention(q, k, v, bias, mask, scale) if windows * heads <= 64 else None
     ref = war._attention_reference(q, k, v, bias, mask, scale)
-    out = wac._attention_cuda_with(kernel, q, k, v, bias, mask, scale)
+    out = wac._attention_cuda_with(kernel, q, k, v, bias, mask, scale, variant=fwd)
     assert out.dtype == dtype and torch.isfinite(out).all()
     assert _rel(out, ref) < HALF_TOL[dtype]
     if exact is not None:
@@ -451,15 +489,15 @@ def test_kernel_matches_reference(kernel, variant, windows, heads, n, d, nw, dty
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize(("kernel", "variant"), KERNEL_VARIANTS)
-def test_kernel_reads_unaligned_and_strided_views(kernel, variant):
+@pytest.mark.parametrize(("kernel", "fwd", "variant"), KERNEL_VARIANTS)
+def test_kernel_reads_unaligned_and_strided_views(kernel, fwd, variant):
     # a 2-byte offset into the storage and odd strides: the mma path copies, scalar reads
     base = torch.randn(6 * 3 * 49 * 33 + 1, device="cuda", dtype=torch.float16)
     q = base[1:].view(6, 3, 49, 33)[..., :32]
     k, v = torch.randn(2, 6, 3, 49, 32, device="cuda", dtype=torch.float16).unbind(0)
     bias = torch.randn(3, 49, 49, device="cuda")
     mask = torch.where(torch.rand(2, 49, 49, device="cuda") < 0.3, -100.0, 0.0)
-    out = wac._attention_cuda_with(kernel, q, k, v, bias, mask, 0.2)
+    out = wac._attention_cuda_with(kernel, q, k, v, bias, mask, 0.2, variant=fwd)
     ref = war._attention_reference(q.contiguous(), k, v, bias, mask, 0.2)
     assert _rel(out, ref) < HALF_TOL[torch.float16]
     dout = torch.randn(6, 3, 49, 32, device="cuda", dtype=torch.float16)
@@ -470,8 +508,8 @@ def test_kernel_reads_unaligned_and_strided_views(kernel, variant):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize(("kernel", "variant"), KERNEL_VARIANTS)
-def test_kernel_tokens_first_output_and_strided_grads(kernel, variant):
+@pytest.mark.parametrize(("kernel", "fwd", "variant"), KERNEL_VARIANTS)
+def test_kernel_tokens_first_output_and_strided_grads(kernel, fwd, variant):
     # the [B_, N, nH, D] output is the default one transposed, bit for bit; the backward reads
     # a transposed grad in place (aligned) or through a copy (odd strides), same numbers
     windows, heads, n, d = 16, 3, 49, 32
@@ -479,8 +517,8 @@ def test_kernel_tokens_first_output_and_strided_grads(kernel, variant):
     q, k, v = x.permute(2, 0, 3, 1, 4).unbind(0)
     bias = torch.randn(heads, n, n, device="cuda")
     mask = torch.where(torch.rand(4, n, n, device="cuda") < 0.3, -100.0, 0.0)
-    out = wac._attention_cuda_with(kernel, q, k, v, bias, mask, 0.2)
-    out_t = wac._attention_cuda_with(kernel, q, k, v, bias, mask, 0.2, tokens_first=True)
+    out = wac._attention_cuda_with(kernel, q, k, v, bias, mask, 0.2, variant=fwd)
+    out_t = wac._attention_cuda_with(kernel, q, k, v, bias, mask, 0.2, True, fwd)
     assert out_t.shape == (windows, n, heads, d) and torch.equal(out_t, out.transpose(1, 2))
     dense = torch.randn(windows, heads, n, d, device="cuda", dtype=torch.float16)
     want = wac._attention_backward_cuda_with(kernel, dense, q, k, v, bias, mask, 0.2, variant)
@@ -511,6 +549,21 @@ def test_bwd_variants_compute_what_base_computes(variant, windows, heads, n, d, 
     for name, a, b in zip(("dq", "dk", "dv"), got, base):
         assert torch.equal(a, b), name
     torch.testing.assert_close(got[3], base[3], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("variant", [v for v in wa.FWD_VARIANTS if v != "base"])
+@pytest.mark.parametrize(
+    ("windows", "heads", "n", "d", "nw", "dtype"),
+    [c for c in KERNEL_CASES if c[0] == 64 * 64 or c[2:4] in ((64, 64), (13, 32), (33, 32))],
+)
+def test_fwd_variants_compute_what_base_computes(variant, windows, heads, n, d, nw, dtype):
+    q, k, v, bias, mask = inputs(windows, heads, n, d, nw, dtype=dtype, device="cuda")
+    bias = bias.float()
+    for tokens_first in (False, True):
+        base = wac._attention_cuda_with("mma", q, k, v, bias, mask, 0.2, tokens_first, "base")
+        got = wac._attention_cuda_with("mma", q, k, v, bias, mask, 0.2, tokens_first, variant)
+        assert torch.equal(got, base)
 
 
 @pytest.mark.cuda
@@ -649,14 +702,17 @@ def test_eager_path_is_skipped_under_tracing_and_for_cpu():
 def test_cached_plan_needs_the_same_metadata():
     # a plan is keyed on every input's shape, strides, dtype and device: anything else is a miss
     q, k, v, bias, mask = inputs(4, 2, 49, 32, 2, dtype=torch.float16)
-    key = wac._plan_key("mma", False, q, k, v, bias, mask)
-    assert key == wac._plan_key("mma", False, q.clone(), k, v, bias, mask)
+    x = ("base", False)
+    key = wac._plan_key("mma", False, q, k, v, bias, mask, x)
+    assert key == wac._plan_key("mma", False, q.clone(), k, v, bias, mask, x)
     for other in (
-        wac._plan_key("mma", True, q, k, v, bias, mask),
-        wac._plan_key("mma", False, q, k, v, bias, None),
-        wac._plan_key("mma", False, q, k.transpose(2, 3), v, bias, mask),
-        wac._plan_key("mma", False, q, k, v, bias.float(), mask),
-        wac._plan_key("scalar", False, q, k, v, bias, mask),
+        wac._plan_key("mma", True, q, k, v, bias, mask, ("base", q)),
+        wac._plan_key("mma", False, q, k, v, bias, None, x),
+        wac._plan_key("mma", False, q, k.transpose(2, 3), v, bias, mask, x),
+        wac._plan_key("mma", False, q, k, v, bias.float(), mask, x),
+        wac._plan_key("scalar", False, q, k, v, bias, mask, x),
+        wac._plan_key("mma", False, q, k, v, bias, mask, ("ldm", False)),
+        wac._plan_key("mma", False, q, k, v, bias, mask, ("base", True)),
     ):
         assert other != key
 
