@@ -54,12 +54,13 @@ class BwdVariant:
 
 # The mma backward's variants, selected by AIAK_WINDOW_ATTENTION_BWD (read once per process).
 # A variant is one entry here and one WM_BACKWARD_V line per dtype and head dim in the source;
-# deleting it is deleting both.
+# deleting it is deleting both (and its row in docs/window_attention.md).
 BWD_VARIANTS = {
     "base": BwdVariant("", False, "next window prefetched in registers; P, dS in two tiles"),
     "ldm": BwdVariant("ldm_", False, "base, transposed fragments by ldmatrix; 168 registers"),
     "alias": BwdVariant("alias_", True, "P, dS in one tile, no prefetch; 128 registers"),
     "alias_ldm": BwdVariant("alias_ldm_", True, "alias, transposed fragments by ldmatrix"),
+    "alias_ldm_cp": BwdVariant("alias_ldm_cp_", True, "alias_ldm, tiles by cp.async early"),
 }
 BWD_VARIANT_ENV = "AIAK_WINDOW_ATTENTION_BWD"
 DEFAULT_BWD_VARIANT = "base"

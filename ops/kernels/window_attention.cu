@@ -532,6 +532,26 @@ struct WmTile {
   }
 };
 
+// The same tile straight from global to shared memory (cp.async.cg, sm_80+: no registers on the
+// way): rows >= N are zero-filled (source size 0; the source address stays row 0's, a valid one).
+// Lands after wm_cp_wait() and a barrier.
+template <int D, typename T>
+__device__ __forceinline__ void wm_cp_tile(u16* dst, const T* __restrict__ src, i64 sn, int N) {
+  constexpr int VPR = D / 8, PER_THREAD = WM_ROWS * VPR / WA_THREADS;
+#pragma unroll 1
+  for (int r = 0; r < PER_THREAD; ++r) {
+    const int idx = threadIdx.x + r * WA_THREADS;
+    const int row = idx / VPR, c = idx % VPR;
+    const T* from = src + (row < N ? (i64)row * sn : 0) + c * 8;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(
+                     wm_smem_addr(dst + row * (D + 8) + c * 8)),
+                 "l"(from), "r"(row < N ? 16 : 0)
+                 : "memory");
+  }
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+__device__ __forceinline__ void wm_cp_wait() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
 // bias[h] + mask[w] (fp32) into the [64][WM_LDB] table; -inf in key columns >= N, 0 in rows >= N.
 __device__ __forceinline__ void wm_bias_table(float* bm, const float* __restrict__ bias_h,
                                               const float* __restrict__ mask_w, int N) {
@@ -774,8 +794,12 @@ __device__ __forceinline__ void mma_forward_body(
 // shared memory: one barrier more per window, dS kept in registers through dV) and the tiles
 // of the next window are not prefetched into registers (32 registers less); the two together
 // fit four blocks per SM at 128 registers (WM_BACKWARD_V's MINB) where the prefetching,
-// separate-tile kernel fits three. The maths and its rounding are the same in every variant.
-template <typename T, int D, bool LDM, bool ALIAS>
+// separate-tile kernel fits three. CP (with ALIAS): the tiles come by cp.async, each into its
+// own tile as soon as every warp is done with it: V after the barrier that follows P (dP is
+// done), dO after dV, K after dQ, all three in flight while the window finishes; only Q (read
+// by dK, last) is loaded at the top of the next window. The maths and its rounding are the
+// same in every variant.
+template <typename T, int D, bool LDM, bool ALIAS, bool CP>
 __device__ __forceinline__ void mma_backward_body(
     const T* __restrict__ dout, const T* __restrict__ q, const T* __restrict__ k,
     const T* __restrict__ v, const float* __restrict__ bias, const float* __restrict__ mask,
@@ -785,6 +809,7 @@ __device__ __forceinline__ void mma_backward_body(
   extern __shared__ __attribute__((aligned(16))) u32 wm_smem[];
   constexpr int LD = D + 8;
   constexpr bool PREFETCH = !ALIAS;
+  static_assert(ALIAS || !CP, "the cp.async loads follow the alias variant's barriers");
   float* bm = reinterpret_cast<float*>(wm_smem);
   u16* Qs = reinterpret_cast<u16*>(bm + WM_ROWS * WM_LDB);
   u16* Ks = Qs + WM_ROWS * LD;
@@ -807,20 +832,30 @@ __device__ __forceinline__ void mma_backward_body(
     tv.load(v + (i64)g0 * vb + (i64)h * vh, vn, N);
     td.load(dout + (i64)g0 * gb + (i64)h * gh, gn, N);
   }
+  if (CP && g0 < B_) {
+    wm_cp_tile<D>(Ks, k + (i64)g0 * kb + (i64)h * kh, kn, N);
+    wm_cp_tile<D>(Vs, v + (i64)g0 * vb + (i64)h * vh, vn, N);
+    wm_cp_tile<D>(dOs, dout + (i64)g0 * gb + (i64)h * gh, gn, N);
+  }
   for (int b = g0; b < B_; b += gridDim.x) {
     __syncthreads();  // the previous window is done with every tile
-    if (!PREFETCH) {
-      tq.load(q + (i64)b * qb + (i64)h * qh, qn, N);
-      tk.load(k + (i64)b * kb + (i64)h * kh, kn, N);
-      tv.load(v + (i64)b * vb + (i64)h * vh, vn, N);
-      td.load(dout + (i64)b * gb + (i64)h * gh, gn, N);
-    }
-    tq.store(Qs);
-    tk.store(Ks);
-    tv.store(Vs);
-    td.store(dOs);
-    __syncthreads();
     const int nb = b + gridDim.x;
+    if (CP) {
+      wm_cp_tile<D>(Qs, q + (i64)b * qb + (i64)h * qh, qn, N);
+      wm_cp_wait();
+    } else {
+      if (!PREFETCH) {
+        tq.load(q + (i64)b * qb + (i64)h * qh, qn, N);
+        tk.load(k + (i64)b * kb + (i64)h * kh, kn, N);
+        tv.load(v + (i64)b * vb + (i64)h * vh, vn, N);
+        td.load(dout + (i64)b * gb + (i64)h * gh, gn, N);
+      }
+      tq.store(Qs);
+      tk.store(Ks);
+      tv.store(Vs);
+      td.store(dOs);
+    }
+    __syncthreads();
     if (PREFETCH && nb < B_) {
       tq.load(q + (i64)nb * qb + (i64)h * qh, qn, N);
       tk.load(k + (i64)nb * kb + (i64)h * kh, kn, N);
@@ -877,7 +912,8 @@ __device__ __forceinline__ void mma_backward_body(
       }
       __syncthreads();  // P and dS of every row are in shared memory
     } else {
-      __syncthreads();  // P of every row is in shared memory
+      __syncthreads();  // P of every row is in shared memory (and every warp is done with V)
+      if (CP && nb < B_) wm_cp_tile<D>(Vs, v + (i64)nb * vb + (i64)h * vh, vn, N);
     }
     {  // dV = P^T dO for key rows m0..
       float acc[D / 8][4];
@@ -885,7 +921,8 @@ __device__ __forceinline__ void mma_backward_body(
       wm_store<T, D>(dv + obh, D, acc, 1.f, 1.f, m0, N, g, t);
     }
     if (ALIAS) {
-      __syncthreads();  // every warp is done with P: dS takes its tile
+      __syncthreads();  // every warp is done with P (and dO): dS takes its tile
+      if (CP && nb < B_) wm_cp_tile<D>(dOs, dout + (i64)nb * gb + (i64)h * gh, gn, N);
       wm_put_rows(dSs, dsp, m0, g, t);
       {  // dQ = scale dS K, dS straight from registers
         float acc[D / 8][4];
@@ -893,6 +930,7 @@ __device__ __forceinline__ void mma_backward_body(
         wm_store<T, D>(dq + obh, D, acc, scale, scale, m0, N, g, t);
       }
       __syncthreads();  // dS of every row is in shared memory
+      if (CP && nb < B_) wm_cp_tile<D>(Ks, k + (i64)nb * kb + (i64)h * kh, kn, N);
     }
     {  // dK = scale dS^T Q
       float acc[D / 8][4];
@@ -928,15 +966,15 @@ __device__ __forceinline__ void mma_backward_body(
 // A variant of the backward: its entry points, minimum blocks per SM (__launch_bounds__: caps
 // the registers at 65536 / (128 * MINB)), and the body's switches. The host declares each
 // variant once (BWD_VARIANTS in ops/_window_attention_kernels.py).
-#define WM_BACKWARD_V(NAME, T, D, MINB, LDM, ALIAS)                                               \
+#define WM_BACKWARD_V(NAME, T, D, MINB, LDM, ALIAS, CP)                                           \
   extern "C" __global__ void __launch_bounds__(WA_THREADS, MINB > 1 ? MINB : 0)                  \
       NAME(const T* dout, const T* q, const T* k, const T* v, const float* bias,                 \
            const float* mask, T* dq, T* dk, T* dv, float* dbias, i64 qb, i64 qh, i64 qn, i64 kb,  \
            i64 kh, i64 kn, i64 vb, i64 vh, i64 vn, i64 gb, i64 gh, i64 gn, int B_, int nH, int N, \
            int nW, float scale) {                                                                 \
-    mma_backward_body<T, D, LDM, ALIAS>(dout, q, k, v, bias, mask, dq, dk, dv, dbias, qb, qh, qn, \
-                                        kb, kh, kn, vb, vh, vn, gb, gh, gn, B_, nH, N, nW,       \
-                                        scale);                                                  \
+    mma_backward_body<T, D, LDM, ALIAS, CP>(dout, q, k, v, bias, mask, dq, dk, dv, dbias, qb, qh, \
+                                            qn, kb, kh, kn, vb, vh, vn, gb, gh, gn, B_, nH, N, nW, \
+                                            scale);                                              \
   }
 
 // forward "base": 32/16-bit fragment reads
@@ -950,22 +988,27 @@ WM_FORWARD_V(window_attention_mma_fwd_ldm_f16_d64, half_t, 64, 0, true)
 WM_FORWARD_V(window_attention_mma_fwd_ldm_bf16_d32, bf16_t, 32, 5, true)
 WM_FORWARD_V(window_attention_mma_fwd_ldm_bf16_d64, bf16_t, 64, 0, true)
 // "base": prefetch in registers, P and dS apart, 32/16-bit fragment reads
-WM_BACKWARD_V(window_attention_mma_bwd_f16_d32, half_t, 32, 1, false, false)
-WM_BACKWARD_V(window_attention_mma_bwd_f16_d64, half_t, 64, 1, false, false)
-WM_BACKWARD_V(window_attention_mma_bwd_bf16_d32, bf16_t, 32, 1, false, false)
-WM_BACKWARD_V(window_attention_mma_bwd_bf16_d64, bf16_t, 64, 1, false, false)
+WM_BACKWARD_V(window_attention_mma_bwd_f16_d32, half_t, 32, 1, false, false, false)
+WM_BACKWARD_V(window_attention_mma_bwd_f16_d64, half_t, 64, 1, false, false, false)
+WM_BACKWARD_V(window_attention_mma_bwd_bf16_d32, bf16_t, 32, 1, false, false, false)
+WM_BACKWARD_V(window_attention_mma_bwd_bf16_d64, bf16_t, 64, 1, false, false, false)
 // "ldm": base with ldmatrix fragments
-WM_BACKWARD_V(window_attention_mma_bwd_ldm_f16_d32, half_t, 32, 3, true, false)
-WM_BACKWARD_V(window_attention_mma_bwd_ldm_f16_d64, half_t, 64, 1, true, false)
-WM_BACKWARD_V(window_attention_mma_bwd_ldm_bf16_d32, bf16_t, 32, 3, true, false)
-WM_BACKWARD_V(window_attention_mma_bwd_ldm_bf16_d64, bf16_t, 64, 1, true, false)
+WM_BACKWARD_V(window_attention_mma_bwd_ldm_f16_d32, half_t, 32, 3, true, false, false)
+WM_BACKWARD_V(window_attention_mma_bwd_ldm_f16_d64, half_t, 64, 1, true, false, false)
+WM_BACKWARD_V(window_attention_mma_bwd_ldm_bf16_d32, bf16_t, 32, 3, true, false, false)
+WM_BACKWARD_V(window_attention_mma_bwd_ldm_bf16_d64, bf16_t, 64, 1, true, false, false)
 // "alias": P/dS one tile, no prefetch, four blocks per SM
-WM_BACKWARD_V(window_attention_mma_bwd_alias_f16_d32, half_t, 32, 4, false, true)
-WM_BACKWARD_V(window_attention_mma_bwd_alias_f16_d64, half_t, 64, 3, false, true)
-WM_BACKWARD_V(window_attention_mma_bwd_alias_bf16_d32, bf16_t, 32, 4, false, true)
-WM_BACKWARD_V(window_attention_mma_bwd_alias_bf16_d64, bf16_t, 64, 3, false, true)
+WM_BACKWARD_V(window_attention_mma_bwd_alias_f16_d32, half_t, 32, 4, false, true, false)
+WM_BACKWARD_V(window_attention_mma_bwd_alias_f16_d64, half_t, 64, 3, false, true, false)
+WM_BACKWARD_V(window_attention_mma_bwd_alias_bf16_d32, bf16_t, 32, 4, false, true, false)
+WM_BACKWARD_V(window_attention_mma_bwd_alias_bf16_d64, bf16_t, 64, 3, false, true, false)
 // "alias_ldm": alias with ldmatrix fragments
-WM_BACKWARD_V(window_attention_mma_bwd_alias_ldm_f16_d32, half_t, 32, 4, true, true)
-WM_BACKWARD_V(window_attention_mma_bwd_alias_ldm_f16_d64, half_t, 64, 3, true, true)
-WM_BACKWARD_V(window_attention_mma_bwd_alias_ldm_bf16_d32, bf16_t, 32, 4, true, true)
-WM_BACKWARD_V(window_attention_mma_bwd_alias_ldm_bf16_d64, bf16_t, 64, 3, true, true)
+WM_BACKWARD_V(window_attention_mma_bwd_alias_ldm_f16_d32, half_t, 32, 4, true, true, false)
+WM_BACKWARD_V(window_attention_mma_bwd_alias_ldm_f16_d64, half_t, 64, 3, true, true, false)
+WM_BACKWARD_V(window_attention_mma_bwd_alias_ldm_bf16_d32, bf16_t, 32, 4, true, true, false)
+WM_BACKWARD_V(window_attention_mma_bwd_alias_ldm_bf16_d64, bf16_t, 64, 3, true, true, false)
+// "alias_ldm_cp": alias_ldm with the tiles by cp.async, three of them during the window before
+WM_BACKWARD_V(window_attention_mma_bwd_alias_ldm_cp_f16_d32, half_t, 32, 4, true, true, true)
+WM_BACKWARD_V(window_attention_mma_bwd_alias_ldm_cp_f16_d64, half_t, 64, 3, true, true, true)
+WM_BACKWARD_V(window_attention_mma_bwd_alias_ldm_cp_bf16_d32, bf16_t, 32, 4, true, true, true)
+WM_BACKWARD_V(window_attention_mma_bwd_alias_ldm_cp_bf16_d64, bf16_t, 64, 3, true, true, true)

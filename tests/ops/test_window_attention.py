@@ -321,11 +321,11 @@ def test_bwd_variants_are_declared_as_the_source_builds_them():
     from aiak.ops import _cuda
 
     lines = re.findall(
-        r"^WM_BACKWARD_V\((\w+), \w+, (\d+), (\d+), (true|false), (true|false)\)",
+        r"^WM_BACKWARD_V\((\w+), \w+, (\d+), (\d+), (true|false), (true|false), (true|false)\)",
         _cuda.kernel_source("window_attention.cu"),
         re.M,
     )
-    built = {name: (int(d), alias == "true") for name, d, _, _, alias in lines}
+    built = {name: (int(d), alias == "true") for name, d, _, _, alias, _ in lines}
     declared = {}
     for variant in wa.BWD_VARIANTS.values():
         for code in ("f16", "bf16"):
