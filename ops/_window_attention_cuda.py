@@ -24,8 +24,14 @@ from aiak.ops._window_attention_kernels import (
     _THREADS,
     BWD_VARIANTS,
     FWD_VARIANTS,
+    _fp32_contiguous,
+    _last_dim_contiguous,
+    _mma_ready,
     _mma_smem_bytes,
+    _out_strides,
+    _out_views,
     _smem_floats,
+    _strides,
     bwd_variant,
     fwd_variant,
 )
@@ -81,14 +87,6 @@ def _use_attention_kernel(q: torch.Tensor) -> bool:
     return use_kernel(ATTN, q.device, (q.dtype,), (q,))
 
 
-def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _fp32_contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.to(torch.float32).contiguous()
-
-
 def _kernel(kind: str, dtype: torch.dtype, d: int, smem: int) -> tuple[Kernel, Any]:
     """The kernel and its CuPy function, with the function attributes its launches need (set on
     the kernel's ``CUfunction``, so they hold for the kernel's launches)."""
@@ -139,26 +137,6 @@ def _mma_blocks(fn: Any, windows: int, heads: int, nw: int, smem: int) -> int:
     return min(blocks, windows)
 
 
-def _mma_ready(t: torch.Tensor) -> torch.Tensor:
-    """``t`` when the mma kernels' 16-byte row loads are aligned (pointer and the strides of
-    the first three dims, the last dim contiguous), else a contiguous copy."""
-    ok = (
-        t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(t.stride(i) % 8 == 0 for i in range(3))
-    )
-    return t if ok else t.clone(memory_format=torch.contiguous_format)
-
-
-def _strides(t: torch.Tensor) -> tuple[int, int, int]:
-    return t.stride(0), t.stride(1), t.stride(2)
-
-
-def _out_strides(q: torch.Tensor, tokens_first: bool) -> tuple[int, int, int]:
-    """Strides of the forward's output in [B_, nH, N, D] order: contiguous, or with
-    ``tokens_first`` those of a contiguous [B_, N, nH, D] seen through ``transpose(1, 2)``."""
-    _, heads, n, d = q.shape
-    return (n * heads * d, d, heads * d) if tokens_first else (heads * n * d, n * d, d)
-
-
 # --------------------------------------------------------------------------------------------
 # Launch plans: everything about a launch that the inputs' metadata decides, computed once
 # --------------------------------------------------------------------------------------------
@@ -189,8 +167,9 @@ def _meta(t: torch.Tensor | None) -> tuple | None:
 
 
 def _plan_key(kernel: str, backward: bool, q, k, v, bias, mask, x=None) -> tuple:
-    """``x``: (the mma variant, the forward's ``tokens_first`` or the backward's dout)."""
-    extra = None if x is None else (x[0], _meta(x[1]) if backward else x[1])
+    """``x``: (the mma variant, the forward's ``tokens_first``), or in backward (the variant,
+    dout, the strides of dq/dk/dv when given as views, else None)."""
+    extra = None if x is None else (x[0], _meta(x[1]), x[2]) if backward else x
     return (kernel, backward, extra, _meta(q), _meta(k), _meta(v), _meta(bias), _meta(mask))
 
 
@@ -204,7 +183,8 @@ def _make_plan(kernel: str, backward: bool, q, k, v, bias, mask, x) -> _Plan:
     windows, heads, n, d = q.shape
     nw = mask.shape[0] if mask is not None else 1
     tail = (*_strides(q), *_strides(k), *_strides(v))
-    tail += _strides(x[1]) if backward else _out_strides(q, x[1])
+    tail += (*_strides(x[1]), *(x[2] or _out_strides(q, False))) if backward else ()
+    tail += () if backward else _out_strides(q, x[1])
     tail += (windows, heads, n, nw)
     if kernel == "mma":
         variant = BWD_VARIANTS[x[0]] if backward else None
@@ -239,7 +219,7 @@ def _prepared(kernel: str, backward: bool, q, k, v, bias, mask, x) -> tuple[_Pla
     prep = _mma_ready if kernel == "mma" else _last_dim_contiguous
     given = (q, k, v, x[1]) if backward else (q, k, v)
     ready = tuple(prep(t) for t in given)
-    x = (x[0], ready[3]) if backward else x
+    x = (x[0], ready[3], x[2]) if backward else x
     key = _plan_key(kernel, backward, *ready[:3], bias, mask, x)
     plan = _PLANS.get(key)
     if plan is None:
@@ -325,32 +305,36 @@ def _forward(plan: _Plan, q, k, v, bias, mask, scale, tokens_first) -> torch.Ten
 
 
 def _attention_backward_cuda_with(
-    kernel, dout, q, k, v, bias, mask, scale, variant: str | None = None
+    kernel, dout, q, k, v, bias, mask, scale, variant: str | None = None, out: tuple = ()
 ) -> tuple:
     """The backward on CUDA with the ``kernel`` pair (``"mma"`` or ``"scalar"``); ``variant``:
     the mma backward's (default :func:`bwd_variant`). ``dout`` may be any [B_, nH, N, D] view
-    with a contiguous last dim (autograd's grad of a ``tokens_first`` output, transposed)."""
+    with a contiguous last dim (autograd's grad of a ``tokens_first`` output, transposed).
+    ``out``: dq, dk, dv to write, views with one set of strides (e.g. slices of the gradient of
+    a packed qkv tensor), else they are allocated."""
     variant = bwd_variant() if variant is None else variant
-    plan = _cached(kernel, True, q, k, v, bias, mask, scale, (variant, dout))
+    views = _out_views(out, q)
+    plan = _cached(kernel, True, q, k, v, bias, mask, scale, (variant, dout, views))
     if plan is None:
         _check_attention(q, k, v, bias, mask, scale)
         _check_kernel(kernel)
         _check_variant(variant, BWD_VARIANTS)
         _check_grad(dout, q)
-        if not _use_attention_kernel(q):
-            return _attention_backward_reference(dout, q, k, v, bias, mask, scale)
-        if q.numel() == 0:
-            grads = tuple(torch.empty(q.shape, dtype=q.dtype, device=q.device) for _ in "qkv")
-            return (*grads, torch.zeros(bias.shape, dtype=bias.dtype, device=q.device))
+        if not _use_attention_kernel(q) or q.numel() == 0:
+            grads = _attention_backward_reference(dout, q, k, v, bias, mask, scale)
+            for dst, src in zip(out, grads):
+                dst.copy_(src)
+            return (*out, grads[3]) if out else grads
         with _cuda.on_device(q.device):
-            x = (variant, dout.to(q.dtype))
-            plan, (q, k, v), (_, dout) = _prepared(kernel, True, q, k, v, bias, mask, x)
-            return _backward(plan, dout, q, k, v, bias, mask, scale)
-    return _backward(plan, dout, q, k, v, bias, mask, scale)
+            x = (variant, dout.to(q.dtype), views)
+            plan, (q, k, v), (_, dout, _) = _prepared(kernel, True, q, k, v, bias, mask, x)
+            return _backward(plan, dout, q, k, v, bias, mask, scale, out)
+    return _backward(plan, dout, q, k, v, bias, mask, scale, out)
 
 
-def _backward(plan: _Plan, dout, q, k, v, bias, mask, scale) -> tuple:
-    dq, dk, dv = (torch.empty_like(q, memory_format=torch.contiguous_format) for _ in "qkv")
+def _backward(plan: _Plan, dout, q, k, v, bias, mask, scale, out: tuple = ()) -> tuple:
+    empty = (torch.empty_like(q, memory_format=torch.contiguous_format) for _ in "qkv")
+    dq, dk, dv = out or empty
     dbias = torch.zeros(bias.shape, dtype=torch.float32, device=dq.device)
     bias32, mask32 = _fp32(bias, plan.bias_fp32), _fp32(mask, plan.mask_fp32)
     _launch(plan, (dout, q, k, v, bias32, mask32, dq, dk, dv, dbias), scale)
@@ -362,9 +346,9 @@ def _attention_cuda(q, k, v, bias, mask, scale, tokens_first: bool = False) -> t
     return _attention_cuda_with(kernel, q, k, v, bias, mask, scale, tokens_first)
 
 
-def _attention_backward_cuda(dout, q, k, v, bias, mask, scale) -> tuple:
+def _attention_backward_cuda(dout, q, k, v, bias, mask, scale, out: tuple = ()) -> tuple:
     kernel = attention_kernel(q.device) if q.is_cuda else DEFAULT_KERNEL
-    return _attention_backward_cuda_with(kernel, dout, q, k, v, bias, mask, scale)
+    return _attention_backward_cuda_with(kernel, dout, q, k, v, bias, mask, scale, None, out)
 
 
 def eager_on(device_type: str) -> Callable[[torch.Tensor], bool]:

@@ -1,5 +1,6 @@
 """Window attention's CUDA kernels as declared to the launcher: entry points, parameters,
-the ``mma`` backward's compile-time variants and each kernel's dynamic shared memory.
+the ``mma`` kernels' compile-time variants, each kernel's dynamic shared memory, and the tensor
+layouts the kernels read and write.
 
 Grid sizing, launch plans and the launchers are in ``_window_attention_cuda``.
 """
@@ -30,14 +31,15 @@ SOURCE = "window_attention.cu"
 _CODE = {torch.float16: "f16", torch.bfloat16: "bf16"}
 _STRIDES = "i64 qb, i64 qh, i64 qn, i64 kb, i64 kh, i64 kn, i64 vb, i64 vh, i64 vn, "
 _SIZES = "i32 B_, i32 nH, i32 N, i32 nW, f32 scale"
-# the fourth stride triple: out's (forward) or dout's (backward), [B_, nH, N, D] order
+# after q, k, v: the strides of out (forward), or of dout, then dq/dk/dv (backward); all in
+# [B_, nH, N, D] order
 _PARAMS = {
     "fwd": "ptr q, ptr k, ptr v, ptr bias, ptr mask, ptr out, "
     + _STRIDES
     + "i64 ob, i64 oh, i64 on, "
     + _SIZES,
     "bwd": "ptr dout, ptr q, ptr k, ptr v, ptr bias, ptr mask, ptr dq, ptr dk, ptr dv, "
-    "ptr dbias, " + _STRIDES + "i64 gb, i64 gh, i64 gn, " + _SIZES,
+    "ptr dbias, " + _STRIDES + "i64 gb, i64 gh, i64 gn, i64 xb, i64 xh, i64 xn, " + _SIZES,
 }
 
 
@@ -142,3 +144,51 @@ def _mma_smem_bytes(d: int, backward: bool, alias_ps: bool = False) -> int:
     table = 64 * 72 * 4
     tiles = (4 if backward else 3) * 64 * (d + 8) * 2
     return table + tiles + ((1 if alias_ps else 2) * 64 * 72 * 2 if backward else 0)
+
+
+def _mma_ready(t: torch.Tensor) -> torch.Tensor:
+    """``t`` when the mma kernels' 16-byte row loads are aligned (pointer and the strides of
+    the first three dims, the last dim contiguous), else a contiguous copy."""
+    ok = (
+        t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(t.stride(i) % 8 == 0 for i in range(3))
+    )
+    return t if ok else t.clone(memory_format=torch.contiguous_format)
+
+
+def _strides(t: torch.Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _out_strides(q: torch.Tensor, tokens_first: bool) -> tuple[int, int, int]:
+    """Strides of the forward's output in [B_, nH, N, D] order: contiguous, or with
+    ``tokens_first`` those of a contiguous [B_, N, nH, D] seen through ``transpose(1, 2)``."""
+    _, heads, n, d = q.shape
+    return (n * heads * d, d, heads * d) if tokens_first else (heads * n * d, n * d, d)
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _fp32_contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.to(torch.float32).contiguous()
+
+
+def _out_views(out: tuple, q: torch.Tensor) -> tuple | None:
+    """The strides of ``out`` (dq, dk, dv views the kernels can write with 32-bit stores), or
+    None for none given."""
+    if not out:
+        return None
+    strides = out[0].stride()[:3]
+    for name, t in zip(("dq", "dk", "dv"), out, strict=True):
+        if (
+            t.shape != q.shape
+            or t.dtype != q.dtype
+            or t.device != q.device
+            or t.stride() != out[0].stride()
+            or t.stride(-1) != 1
+            or any(s % 2 for s in strides)
+            or t.data_ptr() % 4
+        ):
+            raise ValueError(f"window_attention: out {name} is not a view the kernels can write")
+    return strides

@@ -76,6 +76,7 @@ __all__ = [
     "fwd_variant",
     "roll_window_partition",
     "window_attention",
+    "window_attention_qkv",
     "window_merge_roll",
 ]
 
@@ -144,6 +145,83 @@ class _EagerAttention(torch.autograd.Function):
         return _attention_grads(ctx, grad, _attention_backward_cuda)
 
 
+def _checked_scale(named: tuple, mask, scale, q: torch.Tensor) -> float:
+    """The wrappers' checks (before the dispatcher's own, unnamed errors); the scale to use."""
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"window_attention: {name} must be a Tensor, got {type(t).__name__}")
+    if mask is not None and not isinstance(mask, torch.Tensor):
+        raise TypeError(
+            f"window_attention: mask must be a Tensor or None, got {type(mask).__name__}"
+        )
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    if isinstance(mask, torch.Tensor) and mask.requires_grad:
+        raise ValueError("window_attention: mask must not require grad (it is a constant)")
+    # NaN or inf would turn every probability NaN; 0 and negative scales are well defined
+    return float(check_float("scale", scale, op="window_attention"))
+
+
+def _split_qkv(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, ...]:
+    """q, k, v ``[B_, nH, N, D]`` as views of ``[B_, N, 3, nH, D]`` (timm's qkv layout)."""
+    windows, n, c3 = qkv.shape
+    return qkv.view(windows, n, 3, heads, c3 // (3 * heads)).permute(2, 0, 3, 1, 4).unbind(0)
+
+
+class _EagerPackedAttention(torch.autograd.Function):
+    """:func:`window_attention_qkv` on the eager path: the op's kernels, with dq, dk and dv
+    written by the backward kernel straight into one ``[B_, N, 3 * C]`` gradient of qkv (three
+    strided views), where autograd would ``stack`` three gradients and copy them back into
+    qkv's layout (two copies of the whole of it)."""
+
+    @staticmethod
+    def forward(ctx, qkv, bias, mask, scale, heads):
+        out = _attention_cuda(*_split_qkv(qkv, heads), bias, mask, scale, True)
+        ctx.save_for_backward(qkv, bias, mask)
+        ctx.scale, ctx.heads = scale, heads
+        return out.view(qkv.shape[0], qkv.shape[1], -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        qkv, bias, mask = ctx.saved_tensors
+        windows, n, _ = qkv.shape
+        dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
+        dout = grad.reshape(windows, n, ctx.heads, -1).transpose(1, 2)
+        q, k, v = _split_qkv(qkv, ctx.heads)
+        out = _split_qkv(dqkv, ctx.heads)
+        *_, dbias = _attention_backward_cuda(dout, q, k, v, bias, mask, ctx.scale, out)
+        return dqkv, dbias, None, None, None
+
+
+def window_attention_qkv(
+    qkv: torch.Tensor,
+    heads: int,
+    bias: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Swin's attention core from the qkv projection's output: ``qkv`` ``[B*nW, N, 3 * C]``
+    (q, k, v one after the other, heads within each, as timm's ``qkv`` linear writes them),
+    ``heads`` of ``C / heads`` channels; returns ``[B*nW, N, C]`` (heads side by side, what
+    Swin's ``proj`` reads). The same maths, kernels and numbers as :func:`window_attention` on
+    the views of ``qkv`` with ``tokens_first``; no copy around the op in either direction."""
+    if not isinstance(qkv, torch.Tensor):
+        raise TypeError(f"window_attention: qkv must be a Tensor, got {type(qkv).__name__}")
+    if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
+        raise TypeError(f"window_attention: heads must be a positive int, got {heads!r}")
+    if qkv.dim() != 3 or qkv.shape[2] % (3 * heads):
+        raise ValueError(
+            f"window_attention: qkv must be [B*nW, N, 3 * heads * D] with heads = {heads}, "
+            f"got {tuple(qkv.shape)}"
+        )
+    windows, n, _ = qkv.shape
+    q, k, v = _split_qkv(qkv, heads)
+    if _wac.eager(qkv) and qkv.is_contiguous():  # the launchers check the rest
+        scale = _checked_scale((("bias", bias),), mask, scale, q)
+        return _EagerPackedAttention.apply(qkv, bias, mask, scale, heads)
+    return window_attention(q, k, v, bias, mask, scale, True).reshape(windows, n, -1)
+
+
 def window_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -161,19 +239,7 @@ def window_attention(
     The result is ``[B*nW, nH, N, D]``, or ``[B*nW, N, nH, D]`` with ``tokens_first`` (then
     ``.reshape(B*nW, N, nH * D)`` is a view: no copy either way of the step).
     """
-    for name, t in (("q", q), ("k", k), ("v", v), ("bias", bias)):  # before the dispatcher's
-        if not isinstance(t, torch.Tensor):  # own, unnamed error
-            raise TypeError(f"window_attention: {name} must be a Tensor, got {type(t).__name__}")
-    if mask is not None and not isinstance(mask, torch.Tensor):
-        raise TypeError(
-            f"window_attention: mask must be a Tensor or None, got {type(mask).__name__}"
-        )
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
-    if isinstance(mask, torch.Tensor) and mask.requires_grad:
-        raise ValueError("window_attention: mask must not require grad (it is a constant)")
-    # NaN or inf would turn every probability NaN; 0 and negative scales are well defined
-    scale = check_float("scale", scale, op="window_attention")
+    scale = _checked_scale((("q", q), ("k", k), ("v", v), ("bias", bias)), mask, scale, q)
     if not isinstance(tokens_first, bool):
         raise TypeError(
             f"window_attention: tokens_first must be a bool, got {type(tokens_first).__name__}"

@@ -156,11 +156,11 @@ __device__ __forceinline__ void forward_body(const T* __restrict__ q, const T* _
   }
 }
 
-// Writes rows < N of C = A B (C is [N, D] contiguous in global memory), times `alpha`.
+// Writes rows < N of C = A B (C is [N, D] in global memory, row stride sn), times `alpha`.
 template <typename T, int D>
 __device__ __forceinline__ void product_out(const float* A, int ars, int aks, const float* B,
                                             int bks, int bcs, int K, int N, int NP, float alpha,
-                                            T* __restrict__ dst) {
+                                            T* __restrict__ dst, i64 sn) {
   const int rt = NP / 4, ct = D / 4;
   for (int t = threadIdx.x; t < rt * ct; t += blockDim.x) {
     const int r0 = (t / ct) * 4, c0 = (t % ct) * 4;
@@ -171,7 +171,7 @@ __device__ __forceinline__ void product_out(const float* A, int ars, int aks, co
       const int i = r0 + m;
       if (i < N) {
 #pragma unroll
-        for (int n = 0; n < 4; ++n) dst[(i64)i * D + c0 + n] = from_float<T>(acc[m][n] * alpha);
+        for (int n = 0; n < 4; ++n) dst[(i64)i * sn + c0 + n] = from_float<T>(acc[m][n] * alpha);
       }
     }
   }
@@ -183,7 +183,7 @@ __device__ __forceinline__ void backward_body(
     const T* __restrict__ v, const float* __restrict__ bias, const float* __restrict__ mask,
     T* __restrict__ dq, T* __restrict__ dk, T* __restrict__ dv, float* __restrict__ dbias,
     i64 qb, i64 qh, i64 qn, i64 kb, i64 kh, i64 kn, i64 vb, i64 vh, i64 vn, i64 gb, i64 gh, i64 gn,
-    int B_, int nH, int N, int nW, float scale) {
+    i64 xb, i64 xh, i64 xn, int B_, int nH, int N, int nW, float scale) {
   extern __shared__ float smem[];
   const int NP = (N + 3) & ~3;
   const int ld = D + 1, ls = NP + 1;
@@ -199,7 +199,7 @@ __device__ __forceinline__ void backward_body(
   const float* bias_h = bias + (i64)h * N * N;
   for (int idx = threadIdx.x; idx < N * N; idx += blockDim.x) dB[idx] = 0.f;
   for (int b = blockIdx.x; b < B_; b += gridDim.x) {
-    const i64 obh = ((i64)b * nH + h) * N * D;  // offset of this (window, head) in dq/dk/dv
+    const i64 obh = (i64)b * xb + (i64)h * xh;  // offset of this (window, head) in dq/dk/dv
     load_rows<T, D>(Q, ld, q + (i64)b * qb + (i64)h * qh, qn, N, NP);
     load_rows<T, D>(K, ld, k + (i64)b * kb + (i64)h * kh, kn, N, NP);
     load_rows<T, D>(V, ld, v + (i64)b * vb + (i64)h * vh, vn, N, NP);
@@ -242,9 +242,9 @@ __device__ __forceinline__ void backward_body(
     }
     __syncthreads();
     // dV = P^T dO; dQ = scale * dS K; dK = scale * dS^T Q
-    product_out<T, D>(P, 1, ls, dO, ld, 1, NP, N, NP, 1.f, dv + obh);
-    product_out<T, D>(dS, ls, 1, K, ld, 1, NP, N, NP, scale, dq + obh);
-    product_out<T, D>(dS, 1, ls, Q, ld, 1, NP, N, NP, scale, dk + obh);
+    product_out<T, D>(P, 1, ls, dO, ld, 1, NP, N, NP, 1.f, dv + obh, xn);
+    product_out<T, D>(dS, ls, 1, K, ld, 1, NP, N, NP, scale, dq + obh, xn);
+    product_out<T, D>(dS, 1, ls, Q, ld, 1, NP, N, NP, scale, dk + obh, xn);
     __syncthreads();  // the next window overwrites the tiles
   }
   if (blockIdx.x < B_) {
@@ -266,10 +266,10 @@ __device__ __forceinline__ void backward_body(
   extern "C" __global__ void __launch_bounds__(WA_THREADS)                                       \
       NAME(const T* dout, const T* q, const T* k, const T* v, const float* bias,                 \
            const float* mask, T* dq, T* dk, T* dv, float* dbias, i64 qb, i64 qh, i64 qn, i64 kb,  \
-           i64 kh, i64 kn, i64 vb, i64 vh, i64 vn, i64 gb, i64 gh, i64 gn, int B_, int nH, int N, \
-           int nW, float scale) {                                                                 \
+           i64 kh, i64 kn, i64 vb, i64 vh, i64 vn, i64 gb, i64 gh, i64 gn, i64 xb, i64 xh, i64 xn, \
+           int B_, int nH, int N, int nW, float scale) {                                          \
     backward_body<T, D>(dout, q, k, v, bias, mask, dq, dk, dv, dbias, qb, qh, qn, kb, kh, kn, vb, \
-                        vh, vn, gb, gh, gn, B_, nH, N, nW, scale);                               \
+                        vh, vn, gb, gh, gn, xb, xh, xn, B_, nH, N, nW, scale);                   \
   }
 
 WA_FORWARD(window_attention_fwd_f16_d32, half_t, 32)
@@ -805,7 +805,7 @@ __device__ __forceinline__ void mma_backward_body(
     const T* __restrict__ v, const float* __restrict__ bias, const float* __restrict__ mask,
     T* __restrict__ dq, T* __restrict__ dk, T* __restrict__ dv, float* __restrict__ dbias,
     i64 qb, i64 qh, i64 qn, i64 kb, i64 kh, i64 kn, i64 vb, i64 vh, i64 vn, i64 gb, i64 gh, i64 gn,
-    int B_, int nH, int N, int nW, float scale) {
+    i64 xb, i64 xh, i64 xn, int B_, int nH, int N, int nW, float scale) {
   extern __shared__ __attribute__((aligned(16))) u32 wm_smem[];
   constexpr int LD = D + 8;
   constexpr bool PREFETCH = !ALIAS;
@@ -862,7 +862,7 @@ __device__ __forceinline__ void mma_backward_body(
       tv.load(v + (i64)nb * vb + (i64)h * vh, vn, N);
       td.load(dout + (i64)nb * gb + (i64)h * gh, gn, N);
     }
-    const i64 obh = ((i64)b * nH + h) * N * D;
+    const i64 obh = (i64)b * xb + (i64)h * xh;  // this (window, head) in dq, dk and dv
     float p[8][4], inv[2];
     wm_scores_softmax<T, D>(p, inv, Qs, Ks, bm, scale, m0, g, t);
     float ds[8][4];  // dP = dO V^T for the warp's rows
@@ -908,7 +908,7 @@ __device__ __forceinline__ void mma_backward_body(
       {  // dQ = scale dS K, dS straight from registers
         float acc[D / 8][4];
         wm_regs_times<T, D>(acc, ds, Ks, LD, g, t);
-        wm_store<T, D>(dq + obh, D, acc, scale, scale, m0, N, g, t);
+        wm_store<T, D>(dq + obh, xn, acc, scale, scale, m0, N, g, t);
       }
       __syncthreads();  // P and dS of every row are in shared memory
     } else {
@@ -918,7 +918,7 @@ __device__ __forceinline__ void mma_backward_body(
     {  // dV = P^T dO for key rows m0..
       float acc[D / 8][4];
       wm_tile_t_times<T, D, LDM, ALIAS || LDM ? 1 : 4>(acc, Ps, dOs, LD, m0, g, t);
-      wm_store<T, D>(dv + obh, D, acc, 1.f, 1.f, m0, N, g, t);
+      wm_store<T, D>(dv + obh, xn, acc, 1.f, 1.f, m0, N, g, t);
     }
     if (ALIAS) {
       __syncthreads();  // every warp is done with P (and dO): dS takes its tile
@@ -927,7 +927,7 @@ __device__ __forceinline__ void mma_backward_body(
       {  // dQ = scale dS K, dS straight from registers
         float acc[D / 8][4];
         wm_packed_times<T, D, LDM>(acc, dsp, Ks, LD, lane);
-        wm_store<T, D>(dq + obh, D, acc, scale, scale, m0, N, g, t);
+        wm_store<T, D>(dq + obh, xn, acc, scale, scale, m0, N, g, t);
       }
       __syncthreads();  // dS of every row is in shared memory
       if (CP && nb < B_) wm_cp_tile<D>(Ks, k + (i64)nb * kb + (i64)h * kh, kn, N);
@@ -935,7 +935,7 @@ __device__ __forceinline__ void mma_backward_body(
     {  // dK = scale dS^T Q
       float acc[D / 8][4];
       wm_tile_t_times<T, D, LDM, ALIAS || LDM ? 1 : 4>(acc, dSs, Qs, LD, m0, g, t);
-      wm_store<T, D>(dk + obh, D, acc, scale, scale, m0, N, g, t);
+      wm_store<T, D>(dk + obh, xn, acc, scale, scale, m0, N, g, t);
     }
   }
   if (g0 < B_) {
@@ -970,11 +970,11 @@ __device__ __forceinline__ void mma_backward_body(
   extern "C" __global__ void __launch_bounds__(WA_THREADS, MINB > 1 ? MINB : 0)                  \
       NAME(const T* dout, const T* q, const T* k, const T* v, const float* bias,                 \
            const float* mask, T* dq, T* dk, T* dv, float* dbias, i64 qb, i64 qh, i64 qn, i64 kb,  \
-           i64 kh, i64 kn, i64 vb, i64 vh, i64 vn, i64 gb, i64 gh, i64 gn, int B_, int nH, int N, \
-           int nW, float scale) {                                                                 \
+           i64 kh, i64 kn, i64 vb, i64 vh, i64 vn, i64 gb, i64 gh, i64 gn, i64 xb, i64 xh, i64 xn, \
+           int B_, int nH, int N, int nW, float scale) {                                          \
     mma_backward_body<T, D, LDM, ALIAS, CP>(dout, q, k, v, bias, mask, dq, dk, dv, dbias, qb, qh, \
-                                            qn, kb, kh, kn, vb, vh, vn, gb, gh, gn, B_, nH, N, nW, \
-                                            scale);                                              \
+                                            qn, kb, kh, kn, vb, vh, vn, gb, gh, gn, xb, xh, xn,  \
+                                            B_, nH, N, nW, scale);                               \
   }
 
 // forward "base": 32/16-bit fragment reads

@@ -92,6 +92,57 @@ def test_tokens_first_is_the_transposed_output_with_the_same_gradients(nw):
         window_attention(q, k, v, bias, mask, 0.4, tokens_first="yes")
 
 
+def _qkv_case(dtype=torch.float64, device="cpu"):
+    qkv = torch.randn(6, 7, 3 * 2 * 4, dtype=dtype, device=device)
+    bias = torch.randn(2, 7, 7, dtype=torch.float64, device=device).to(dtype)
+    mask = torch.where(torch.rand(3, 7, 7, device=device) < 0.3, -100.0, 0.0).to(dtype)
+    return qkv, bias, mask, torch.randn(6, 7, 8, dtype=dtype, device=device)
+
+
+def _unpacked(qkv, bias, mask):
+    q, k, v = qkv.view(6, 7, 3, 2, 4).permute(2, 0, 3, 1, 4).unbind(0)
+    return window_attention(q, k, v, bias, mask, 0.4, tokens_first=True).reshape(6, 7, 8)
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_qkv_entry_is_the_op_on_views_of_qkv(eager, monkeypatch):
+    # window_attention_qkv against window_attention on timm's views of qkv: the same outputs and
+    # gradients, through the op (CPU) and through the eager path's Function (CPU tensors standing
+    # in for CUDA ones; the launchers run the reference and write the qkv gradient's views)
+    qkv, bias, mask, grad = _qkv_case()
+    want, want_grads = _both_paths(lambda *t: _unpacked(*t, mask), (qkv, bias), grad)
+    if eager:
+        monkeypatch.setattr(wac, "eager", wac.eager_on("cpu"))
+        calls = []
+        real = wa._EagerPackedAttention.apply
+        monkeypatch.setattr(
+            wa._EagerPackedAttention, "apply", lambda *a: calls.append(1) or real(*a)
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the CPU fallback's one-time warning
+        got, got_grads = _both_paths(
+            lambda *t: wa.window_attention_qkv(t[0], 2, t[1], mask, 0.4), (qkv, bias), grad
+        )
+    assert calls if eager else True
+    assert got.shape == (6, 7, 8) and torch.equal(got, want)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_qkv_entry_checks_its_arguments():
+    qkv, bias, mask, _ = _qkv_case(torch.float32)
+    with pytest.raises(TypeError, match="heads must be a positive int"):
+        wa.window_attention_qkv(qkv, 2.0, bias, mask)
+    with pytest.raises(ValueError, match="qkv must be"):
+        wa.window_attention_qkv(qkv, 5, bias, mask)
+    with pytest.raises(ValueError, match="qkv must be"):
+        wa.window_attention_qkv(qkv[0], 2, bias, mask)
+    with pytest.raises(TypeError, match="qkv must be a Tensor"):
+        wa.window_attention_qkv([qkv], 2, bias, mask)
+    with pytest.raises(ValueError, match="bias must be"):
+        wa.window_attention_qkv(qkv, 2, bias[:1], mask)
+
+
 def test_backward_op_reads_a_strided_grad():
     q, k, v, bias, mask = inputs(4, 3, 5, 8, 2)
     dout = torch.randn(4, 5, 3, 8, dtype=torch.float64)
@@ -567,6 +618,56 @@ def test_fwd_variants_compute_what_base_computes(variant, windows, heads, n, d, 
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize(("kernel", "fwd", "variant"), KERNEL_VARIANTS)
+def test_backward_writes_the_gradient_of_packed_qkv(kernel, fwd, variant):
+    # dq, dk, dv written through the strides of one [B_, N, 3, nH, D] gradient: the values the
+    # backward returns when it allocates them, bit for bit
+    windows, heads, n, d = 64, 3, 49, 32
+    qkv = torch.randn(windows, n, 3 * heads * d, device="cuda", dtype=torch.float16)
+    q, k, v = wa._split_qkv(qkv, heads)
+    bias = torch.randn(heads, n, n, device="cuda")
+    mask = torch.where(torch.rand(4, n, n, device="cuda") < 0.3, -100.0, 0.0)
+    grad = torch.randn(windows, n, heads, d, device="cuda", dtype=torch.float16).transpose(1, 2)
+    want = wac._attention_backward_cuda_with(kernel, grad, q, k, v, bias, mask, 0.2, variant)
+    dqkv = torch.full_like(qkv, float("nan"))
+    out = wa._split_qkv(dqkv, heads)
+    got = wac._attention_backward_cuda_with(kernel, grad, q, k, v, bias, mask, 0.2, variant, out)
+    assert all(a is b for a, b in zip(got[:3], out))
+    assert torch.isfinite(dqkv).all()  # every element written
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert torch.equal(a, b), name
+    torch.testing.assert_close(got[3], want[3], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.cuda
+def test_qkv_entry_eager_and_op_paths_agree_on_cuda():
+    # the eager Function (gradients written into one dqkv) against the op's autograd (three
+    # gradients stacked by autograd): the same kernels, the same numbers
+    qkv = torch.randn(32, 49, 3 * 3 * 32, device="cuda", dtype=torch.float16)
+    bias = torch.randn(3, 49, 49, device="cuda")
+    mask = torch.where(torch.rand(4, 49, 49, device="cuda") < 0.3, -100.0, 0.0)
+    grad = torch.randn(32, 49, 96, device="cuda", dtype=torch.float16)
+    calls = []
+    real = wa._EagerPackedAttention.apply
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(wa._EagerPackedAttention, "apply", lambda *a: calls.append(1) or real(*a))
+        eager = _both_paths(
+            lambda *t: wa.window_attention_qkv(t[0], 3, t[1], mask), (qkv, bias), grad
+        )
+    assert calls, "the eager path did not run"
+
+    def op(qkv_, bias_):
+        q, k, v = wa._split_qkv(qkv_, 3)
+        out = wa.ATTENTION_OP.overload(q, k, v, bias_, mask, 32**-0.5, True)
+        return out.reshape(32, 49, 96)
+
+    ref = _both_paths(op, (qkv, bias), grad)
+    assert torch.equal(eager[0], ref[0])
+    assert torch.equal(eager[1][0], ref[1][0])  # dqkv: written in place vs stacked by autograd
+    torch.testing.assert_close(eager[1][1], ref[1][1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.cuda
 def test_kernel_switch_routes_the_op(monkeypatch):
     q, k, v, bias, mask = inputs(32, 3, 49, 32, 4, dtype=torch.float16, device="cuda")
     bias = bias.float().requires_grad_()
@@ -706,7 +807,7 @@ def test_cached_plan_needs_the_same_metadata():
     key = wac._plan_key("mma", False, q, k, v, bias, mask, x)
     assert key == wac._plan_key("mma", False, q.clone(), k, v, bias, mask, x)
     for other in (
-        wac._plan_key("mma", True, q, k, v, bias, mask, ("base", q)),
+        wac._plan_key("mma", True, q, k, v, bias, mask, ("base", q, None)),
         wac._plan_key("mma", False, q, k, v, bias, None, x),
         wac._plan_key("mma", False, q, k.transpose(2, 3), v, bias, mask, x),
         wac._plan_key("mma", False, q, k, v, bias.float(), mask, x),
