@@ -145,7 +145,7 @@ class _EagerAttention(torch.autograd.Function):
         return _attention_grads(ctx, grad, _attention_backward_cuda)
 
 
-def _checked_scale(named: tuple, mask, scale, q: torch.Tensor) -> float:
+def _checked_scale(named: tuple, mask, scale, head_dim: int) -> float:
     """The wrappers' checks (before the dispatcher's own, unnamed errors); the scale to use."""
     for name, t in named:
         if not isinstance(t, torch.Tensor):
@@ -155,7 +155,7 @@ def _checked_scale(named: tuple, mask, scale, q: torch.Tensor) -> float:
             f"window_attention: mask must be a Tensor or None, got {type(mask).__name__}"
         )
     if scale is None:
-        scale = q.shape[-1] ** -0.5
+        scale = head_dim**-0.5
     if isinstance(mask, torch.Tensor) and mask.requires_grad:
         raise ValueError("window_attention: mask must not require grad (it is a constant)")
     # NaN or inf would turn every probability NaN; 0 and negative scales are well defined
@@ -214,11 +214,11 @@ def window_attention_qkv(
             f"window_attention: qkv must be [B*nW, N, 3 * heads * D] with heads = {heads}, "
             f"got {tuple(qkv.shape)}"
         )
-    windows, n, _ = qkv.shape
-    q, k, v = _split_qkv(qkv, heads)
+    windows, n, c3 = qkv.shape
     if _wac.eager(qkv) and qkv.is_contiguous():  # the launchers check the rest
-        scale = _checked_scale((("bias", bias),), mask, scale, q)
+        scale = _checked_scale((("bias", bias),), mask, scale, c3 // (3 * heads))
         return _EagerPackedAttention.apply(qkv, bias, mask, scale, heads)
+    q, k, v = _split_qkv(qkv, heads)
     return window_attention(q, k, v, bias, mask, scale, True).reshape(windows, n, -1)
 
 
@@ -239,7 +239,8 @@ def window_attention(
     The result is ``[B*nW, nH, N, D]``, or ``[B*nW, N, nH, D]`` with ``tokens_first`` (then
     ``.reshape(B*nW, N, nH * D)`` is a view: no copy either way of the step).
     """
-    scale = _checked_scale((("q", q), ("k", k), ("v", v), ("bias", bias)), mask, scale, q)
+    named = (("q", q), ("k", k), ("v", v), ("bias", bias))
+    scale = _checked_scale(named, mask, scale, q.shape[-1] if isinstance(q, torch.Tensor) else 0)
     if not isinstance(tokens_first, bool):
         raise TypeError(
             f"window_attention: tokens_first must be a bool, got {type(tokens_first).__name__}"
