@@ -1,6 +1,7 @@
 """aiak::window_attention vs timm's unfused maths vs SDPA with the bias + mask materialised.
 
     python benchmarks/bench_window_attention.py [--batches 64,8] [--dtype float16] [--no-e2e]
+    python benchmarks/bench_window_attention.py --bwd-variants [--fwd-variants] [--batches 64]
 
 Swin-T's four stages (heads 3/6/12/24, windows per image 64/16/4/1, N = 49, D = 32), shifted
 window mask on. Forward and forward + backward, GPU time from CUDA-graph replay (pipelined
@@ -14,6 +15,17 @@ against the plain O1 step (fp16 autocast, GradScaler, torch SGD) in the same run
 ``aiak.ops.swin.convert`` (mma and scalar kernels), with aiak.amp O2 (``aiak.amp.decorate``) +
 ``aiak.optim.FusedSGD`` alone, and with convert + O2 + FusedSGD stacked. Rows go to
 benchmarks/results/window_attention.csv.
+
+``--bwd-variants``: only the sweep of the ``mma`` backward's variants (``BWD_VARIANTS``,
+chosen in a run by ``AIAK_WINDOW_ATTENTION_BWD``), side by side in this process at each stage:
+the inputs as ``FusedWindowAttention`` hands them over (q/k/v views of one qkv tensor, the
+gradient a transposed view), each variant's registers, shared memory, blocks per SM and grid,
+backward alone and forward + backward in µs (the median of ``--rounds`` interleaved rounds, each
+a CUDA-graph p50), the ratio to ``base``, and the largest absolute difference of each of dq, dk,
+dv and dbias from ``base``'s (inf for a NaN). Rows go to
+benchmarks/results/window_attention_bwd_variants.csv. ``--fwd-variants``: the same for the
+forward's variants (``FWD_VARIANTS``, ``AIAK_WINDOW_ATTENTION_FWD``): forward µs, ratio to
+``base``, max |diff| of the output; rows in window_attention_fwd_variants.csv.
 """
 
 from __future__ import annotations
@@ -28,8 +40,9 @@ import torch.nn.functional as F
 from _harness import append_csv, copy_bandwidth, print_table, time_graph, time_pipelined
 
 import aiak.amp as amp
+from aiak.ops import _window_attention_cuda as wac
 from aiak.ops import swin
-from aiak.ops.window_attention import KERNEL_ENV, window_attention
+from aiak.ops.window_attention import BWD_VARIANTS, FWD_VARIANTS, KERNEL_ENV, window_attention
 from aiak.optim import FusedSGD
 
 STAGES = (("stage1", 3, 64), ("stage2", 6, 16), ("stage3", 12, 4), ("stage4", 24, 1))
@@ -122,6 +135,99 @@ def _kernel_rows(batches, dtype, bw):
     return rows
 
 
+def _variant_resources(
+    variant: str, dtype, windows: int, heads: int, nw: int, backward: bool = True
+) -> dict:
+    """Registers (as loaded), dynamic shared memory, blocks per SM and grid of ``variant``."""
+    if backward:
+        smem = wac._mma_smem_bytes(D, True, BWD_VARIANTS[variant].alias_ps)
+    else:
+        smem = wac._mma_smem_bytes(D, False)
+    _, fn = wac._kernel(f"mma_{'bwd' if backward else 'fwd'}_{variant}", dtype, D, smem)
+    device = torch.cuda.current_device()
+    smem_sm, regs_sm = wac._sm_limits(device)
+    regs = int(fn.num_regs)
+    per_sm = min(2048 // wac._THREADS, regs_sm // (-(-regs // 8) * 8 * wac._THREADS))
+    per_sm = min(per_sm, smem_sm // (smem + 1024))
+    blocks = wac._mma_blocks(fn, windows, heads, nw, smem)
+    return {"regs": regs, "smem_B": smem, "blocks_per_sm": per_sm, "grid": f"{blocks}x{heads}"}
+
+
+def _bwd_variant_rows(batches, dtype, rounds):
+    """The mma backward's variants side by side (module path inputs, launcher calls)."""
+    rows = []
+    for batch in batches:
+        for label, heads, nw in STAGES:
+            windows = batch * nw
+            qkv = torch.randn(windows, N, 3, heads, D, device="cuda", dtype=dtype)
+            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+            bias = torch.randn(heads, N, N, device="cuda")
+            mask = torch.where(torch.rand(nw, N, N, device="cuda") < 0.3, -100.0, 0.0)
+            grad = torch.randn(windows, N, heads, D, device="cuda", dtype=dtype).transpose(1, 2)
+            scale = D**-0.5
+
+            def fwd(q=q, k=k, v=v, bias=bias, mask=mask, scale=scale):
+                return wac._attention_cuda_with("mma", q, k, v, bias, mask, scale, True)
+
+            def bwd(variant, q=q, k=k, v=v, bias=bias, mask=mask, grad=grad, scale=scale):
+                return wac._attention_backward_cuda_with(
+                    "mma", grad, q, k, v, bias, mask, scale, variant
+                )
+
+            base = bwd("base")
+            times = {v: ([], []) for v in BWD_VARIANTS}
+            for _ in range(rounds):  # interleaved: drift hits every variant alike
+                for variant, (alone, both) in times.items():
+                    alone.append(_time(lambda variant=variant: bwd(variant)))
+                    both.append(_time(lambda variant=variant: (fwd(), bwd(variant))))
+            for variant, (alone, both) in times.items():
+                row = {"batch": batch, "stage": label, "dtype": str(dtype)[6:], "variant": variant}
+                row.update(_variant_resources(variant, dtype, windows, heads, nw))
+                row["bwd_us"] = sorted(alone)[len(alone) // 2]
+                row["fwdbwd_us"] = sorted(both)[len(both) // 2]
+                for name, a, b in zip(("dq", "dk", "dv", "dbias"), bwd(variant), base):
+                    diff = (a.float() - b.float()).abs().nan_to_num(nan=float("inf"))
+                    row[f"{name}_maxdiff"] = float(diff.max())
+                rows.append(row)
+            first = rows[-len(BWD_VARIANTS)]
+            for row in rows[-len(BWD_VARIANTS) :]:
+                row["bwd_x_base"] = first["bwd_us"] / row["bwd_us"]
+                row["fwdbwd_x_base"] = first["fwdbwd_us"] / row["fwdbwd_us"]
+    return rows
+
+
+def _fwd_variant_rows(batches, dtype, rounds):
+    """The mma forward's variants side by side: µs, ratio and max |diff| of out vs ``base``."""
+    rows = []
+    for batch in batches:
+        for label, heads, nw in STAGES:
+            windows = batch * nw
+            qkv = torch.randn(windows, N, 3, heads, D, device="cuda", dtype=dtype)
+            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+            bias = torch.randn(heads, N, N, device="cuda")
+            mask = torch.where(torch.rand(nw, N, N, device="cuda") < 0.3, -100.0, 0.0)
+
+            def fwd(variant, q=q, k=k, v=v, bias=bias, mask=mask):
+                return wac._attention_cuda_with("mma", q, k, v, bias, mask, D**-0.5, True, variant)
+
+            base = fwd("base")
+            times = {v: [] for v in FWD_VARIANTS}
+            for _ in range(rounds):
+                for variant, samples in times.items():
+                    samples.append(_time(lambda variant=variant: fwd(variant)))
+            for variant, samples in times.items():
+                row = {"batch": batch, "stage": label, "dtype": str(dtype)[6:], "variant": variant}
+                row.update(_variant_resources(variant, dtype, windows, heads, nw, backward=False))
+                row["fwd_us"] = sorted(samples)[len(samples) // 2]
+                diff = (fwd(variant).float() - base.float()).abs().nan_to_num(nan=float("inf"))
+                row["out_maxdiff"] = float(diff.max())
+                rows.append(row)
+            first = rows[-len(FWD_VARIANTS)]
+            for row in rows[-len(FWD_VARIANTS) :]:
+                row["fwd_x_base"] = first["fwd_us"] / row["fwd_us"]
+    return rows
+
+
 E2E_VARIANTS = (  # (label, convert, kernel, O2 + FusedSGD)
     ("timm O1", False, None, False),
     ("timm O1 + convert", True, "mma", False),
@@ -179,8 +285,27 @@ def main() -> int:
     parser.add_argument("--batches", default="64,8")
     parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"))
     parser.add_argument("--no-e2e", action="store_true")
+    parser.add_argument("--bwd-variants", action="store_true", help="only the backward sweep")
+    parser.add_argument("--fwd-variants", action="store_true", help="only the forward sweep")
+    parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
+    if args.fwd_variants:
+        print(torch.cuda.get_device_name())
+        rows = _fwd_variant_rows(batches, getattr(torch, args.dtype), args.rounds)
+        append_csv("window_attention_fwd_variants", rows)
+        cols = ["batch", "stage", "variant", "regs", "smem_B", "blocks_per_sm", "grid"]
+        print_table(rows, [*cols, "fwd_us", "fwd_x_base", "out_maxdiff"])
+    if args.bwd_variants:
+        print(torch.cuda.get_device_name())
+        rows = _bwd_variant_rows(batches, getattr(torch, args.dtype), args.rounds)
+        append_csv("window_attention_bwd_variants", rows)
+        cols = ["batch", "stage", "variant", "regs", "smem_B", "blocks_per_sm", "grid"]
+        cols += ["bwd_us", "fwdbwd_us", "bwd_x_base", "fwdbwd_x_base"]
+        cols += ["dq_maxdiff", "dk_maxdiff", "dv_maxdiff", "dbias_maxdiff"]
+        print_table(rows, cols)
+    if args.fwd_variants or args.bwd_variants:
+        return 0
     bw = copy_bandwidth() * 1e9
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
     rows = _kernel_rows(batches, getattr(torch, args.dtype), bw)

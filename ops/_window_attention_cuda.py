@@ -1,7 +1,8 @@
 """Window attention's CUDA side: which kernel pair runs, grid sizing, the launchers.
 
 Two kernel pairs in ``kernels/window_attention.cu``: ``mma`` (tensor-core ``mma.sync``, sm_80+)
-and ``scalar`` (fp32 FMAs in shared memory, any GPU; the verified fallback).
+and ``scalar`` (fp32 FMAs in shared memory, any GPU; the verified fallback). The ``mma``
+backward comes in compile-time variants (:data:`BWD_VARIANTS`), one chosen per process.
 """
 
 from __future__ import annotations
@@ -18,6 +19,23 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_
 from aiak.ops import _cuda
 from aiak.ops._capability import Capability, declare, use_kernel
 from aiak.ops._driver import Kernel
+from aiak.ops._window_attention_kernels import (
+    _KERNELS,
+    _THREADS,
+    BWD_VARIANTS,
+    FWD_VARIANTS,
+    _fp32_contiguous,
+    _last_dim_contiguous,
+    _mma_ready,
+    _mma_smem_bytes,
+    _out_strides,
+    _out_views,
+    _smem_floats,
+    _strides,
+    bwd_variant,
+    fwd_variant,
+)
+from aiak.ops._window_attention_kernels import SOURCE as SOURCE  # window_partition's too
 from aiak.ops._window_attention_ref import (
     HALF,
     HEAD_DIMS,
@@ -25,6 +43,7 @@ from aiak.ops._window_attention_ref import (
     _attention_backward_reference,
     _attention_reference,
     _check_attention,
+    _check_grad,
     _shape_reasons,
 )
 
@@ -36,23 +55,6 @@ ATTN = declare(
         conditions=(f"N <= {MAX_TOKENS} tokens per window", f"head_dim in {HEAD_DIMS}"),
     )
 )
-SOURCE = "window_attention.cu"
-_CODE = {torch.float16: "f16", torch.bfloat16: "bf16"}
-_THREADS = 128  # WA_THREADS in the source
-_SIZES = "i64 qb, i64 qh, i64 qn, i64 kb, i64 kh, i64 kn, i64 vb, i64 vh, i64 vn, "
-_SIZES += "i32 B_, i32 nH, i32 N, i32 nW, f32 scale"
-_PARAMS = {
-    "fwd": "ptr q, ptr k, ptr v, ptr bias, ptr mask, ptr out, " + _SIZES,
-    "bwd": "ptr dout, ptr q, ptr k, ptr v, ptr bias, ptr mask, ptr dq, ptr dk, ptr dv, "
-    "ptr dbias, " + _SIZES,
-}
-# (kind, dtype, head dim) -> the kernel; kind: "fwd", "bwd", "mma_fwd" or "mma_bwd"
-_KERNELS = {
-    (kind, dtype, d): Kernel(SOURCE, f"window_attention_{kind}_{code}_d{d}", _PARAMS[kind[-3:]])
-    for kind in ("fwd", "bwd", "mma_fwd", "mma_bwd")
-    for dtype, code in _CODE.items()
-    for d in (32, 64)
-}
 _STATIC_SMEM = 48 * 1024  # above this a kernel must opt in to more dynamic shared memory
 
 # Which CUDA kernel pair runs window attention: "mma" (tensor-core mma.sync, sm_80+) or "scalar"
@@ -83,30 +85,6 @@ def attention_kernel(device: torch.device) -> str:
 
 def _use_attention_kernel(q: torch.Tensor) -> bool:
     return use_kernel(ATTN, q.device, (q.dtype,), (q,))
-
-
-def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _fp32_contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.to(torch.float32).contiguous()
-
-
-def _smem_floats(n: int, d: int, backward: bool) -> int:
-    np_ = (n + 3) & ~3
-    ld, ls = d + 1, np_ + 1
-    if backward:
-        return 4 * np_ * ld + 2 * np_ * ls + n * n
-    return 3 * np_ * ld + np_ * ls
-
-
-def _mma_smem_bytes(d: int, backward: bool) -> int:
-    """Dynamic shared memory of the mma kernels (WM_* in the source): the fp32 [64][72]
-    bias + mask table, [64][D + 8] q/k/v (and dout) tiles, and in backward [64][72] P and dS."""
-    table = 64 * 72 * 4
-    tiles = (4 if backward else 3) * 64 * (d + 8) * 2
-    return table + tiles + (2 * 64 * 72 * 2 if backward else 0)
 
 
 def _kernel(kind: str, dtype: torch.dtype, d: int, smem: int) -> tuple[Kernel, Any]:
@@ -159,19 +137,6 @@ def _mma_blocks(fn: Any, windows: int, heads: int, nw: int, smem: int) -> int:
     return min(blocks, windows)
 
 
-def _mma_ready(t: torch.Tensor) -> torch.Tensor:
-    """``t`` when the mma kernels' 16-byte row loads are aligned (pointer and the strides of
-    the first three dims, the last dim contiguous), else a contiguous copy."""
-    ok = (
-        t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(t.stride(i) % 8 == 0 for i in range(3))
-    )
-    return t if ok else t.clone(memory_format=torch.contiguous_format)
-
-
-def _strides(t: torch.Tensor) -> tuple[int, int, int]:
-    return t.stride(0), t.stride(1), t.stride(2)
-
-
 # --------------------------------------------------------------------------------------------
 # Launch plans: everything about a launch that the inputs' metadata decides, computed once
 # --------------------------------------------------------------------------------------------
@@ -181,8 +146,8 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
 class _Plan:
     """One launch configuration: the kernel, grid, shared memory, the argument tail after
     the pointers (int64 strides, int32 sizes), and what a call with this metadata must still
-    do per call (``align``: the q/k/v pointer bits that must be zero; bias/mask conversion to
-    fp32)."""
+    do per call (``align``: the q/k/v (and dout) pointer bits that must be zero; bias/mask
+    conversion to fp32)."""
 
     kernel: Kernel
     grid: tuple[int, int]
@@ -201,23 +166,30 @@ def _meta(t: torch.Tensor | None) -> tuple | None:
     return None if t is None else (t.shape, t.stride(), t.dtype, t.get_device())
 
 
-def _plan_key(kernel: str, backward: bool, q, k, v, bias, mask) -> tuple:
-    return (kernel, backward, _meta(q), _meta(k), _meta(v), _meta(bias), _meta(mask))
+def _plan_key(kernel: str, backward: bool, q, k, v, bias, mask, x=None) -> tuple:
+    """``x``: (the mma variant, the forward's ``tokens_first``), or in backward (the variant,
+    dout, the strides of dq/dk/dv when given as views, else None)."""
+    extra = None if x is None else (x[0], _meta(x[1]), x[2]) if backward else x
+    return (kernel, backward, extra, _meta(q), _meta(k), _meta(v), _meta(bias), _meta(mask))
 
 
 def _ready32(t: torch.Tensor | None) -> bool:
     return t is None or (t.dtype == torch.float32 and t.is_contiguous())
 
 
-def _make_plan(kernel: str, backward: bool, q, k, v, bias, mask) -> _Plan:
-    """The plan for checked inputs that need no copy of q, k or v (``kernel`` usable)."""
+def _make_plan(kernel: str, backward: bool, q, k, v, bias, mask, x) -> _Plan:
+    """The plan for checked inputs that need no copy (``kernel`` usable); ``x`` as in
+    :func:`_plan_key`."""
     windows, heads, n, d = q.shape
     nw = mask.shape[0] if mask is not None else 1
     tail = (*_strides(q), *_strides(k), *_strides(v))
+    tail += (*_strides(x[1]), *(x[2] or _out_strides(q, False))) if backward else ()
+    tail += () if backward else _out_strides(q, x[1])
     tail += (windows, heads, n, nw)
     if kernel == "mma":
-        smem = _mma_smem_bytes(d, backward)
-        launcher, fn = _kernel("mma_bwd" if backward else "mma_fwd", q.dtype, d, smem)
+        variant = BWD_VARIANTS[x[0]] if backward else None
+        smem = _mma_smem_bytes(d, backward, variant is not None and variant.alias_ps)
+        launcher, fn = _kernel(f"mma_{'bwd' if backward else 'fwd'}_{x[0]}", q.dtype, d, smem)
         blocks = _mma_blocks(fn, windows, heads, nw, smem)
     else:
         smem = 4 * _smem_floats(n, d, backward)
@@ -240,29 +212,34 @@ def _make_plan(kernel: str, backward: bool, q, k, v, bias, mask) -> _Plan:
     )
 
 
-def _prepared(kernel: str, backward: bool, q, k, v, bias, mask) -> tuple[_Plan, tuple]:
-    """The plan and q, k, v for checked inputs on the kernel path (copies where the kernel
-    cannot read a view; plans of copy-free metadata are cached)."""
+def _prepared(kernel: str, backward: bool, q, k, v, bias, mask, x) -> tuple[_Plan, tuple, Any]:
+    """The plan, q, k, v and ``x`` (dout ready for the kernel in backward) for checked inputs on
+    the kernel path (copies where the kernel cannot read a view; plans of copy-free metadata
+    are cached)."""
     prep = _mma_ready if kernel == "mma" else _last_dim_contiguous
-    ready = tuple(prep(t) for t in (q, k, v))
-    key = _plan_key(kernel, backward, *ready, bias, mask)
+    given = (q, k, v, x[1]) if backward else (q, k, v)
+    ready = tuple(prep(t) for t in given)
+    x = (x[0], ready[3], x[2]) if backward else x
+    key = _plan_key(kernel, backward, *ready[:3], bias, mask, x)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _make_plan(kernel, backward, *ready, bias, mask)
-        if all(a is b for a, b in zip(ready, (q, k, v))):
+        plan = _make_plan(kernel, backward, *ready[:3], bias, mask, x)
+        if all(a is b for a, b in zip(ready, given)):
             _PLANS[key] = plan
-    return plan, ready
+    return plan, ready[:3], x
 
 
-def _cached(kernel: str, dout, q, k, v, bias, mask, scale) -> _Plan | None:
+def _cached(kernel: str, backward: bool, q, k, v, bias, mask, scale, x) -> _Plan | None:
     """The cached plan when this call can use it as is: the inputs' metadata was checked
     before (it is the key), the kernel is still enabled, same device, pointers aligned."""
-    plan = _PLANS.get(_plan_key(kernel, dout is not None, q, k, v, bias, mask))
+    if backward and not isinstance(x[1], torch.Tensor):
+        return None
+    plan = _PLANS.get(_plan_key(kernel, backward, q, k, v, bias, mask, x))
+    ptrs = q.data_ptr() | k.data_ptr() | v.data_ptr() | (x[1].data_ptr() if backward else 0)
     if (
         plan is None
         or type(scale) is not float
-        or (dout is not None and (dout.shape != q.shape or dout.dtype != q.dtype))
-        or (q.data_ptr() | k.data_ptr() | v.data_ptr()) & plan.align
+        or ptrs & plan.align
         or plan.device != torch.cuda.current_device()
         or _cuda.kernels_disabled()
     ):
@@ -278,6 +255,13 @@ def _fp32(t: torch.Tensor | None, ready: bool) -> torch.Tensor | None:
     return t if ready else _fp32_contiguous(t)
 
 
+def _check_variant(variant: str, variants: dict) -> None:
+    if variant not in variants:
+        raise ValueError(
+            f"window_attention: variant must be one of {tuple(variants)}, got {variant!r}"
+        )
+
+
 def _check_kernel(kernel: str) -> None:
     if kernel not in KERNEL_CHOICES:
         raise ValueError(
@@ -285,69 +269,86 @@ def _check_kernel(kernel: str) -> None:
         )
 
 
-def _attention_cuda_with(kernel, q, k, v, bias, mask, scale) -> torch.Tensor:
-    """The forward on CUDA with the ``kernel`` pair (``"mma"`` or ``"scalar"``)."""
-    plan = _cached(kernel, None, q, k, v, bias, mask, scale)
+def _attention_cuda_with(
+    kernel, q, k, v, bias, mask, scale, tokens_first: bool = False, variant: str | None = None
+) -> torch.Tensor:
+    """The forward on CUDA with the ``kernel`` pair (``"mma"`` or ``"scalar"``); ``variant``:
+    the mma forward's (default :func:`fwd_variant`)."""
+    variant = fwd_variant() if variant is None else variant
+    plan = _cached(kernel, False, q, k, v, bias, mask, scale, (variant, tokens_first))
     if plan is None:
         _check_attention(q, k, v, bias, mask, scale)
         _check_kernel(kernel)
+        _check_variant(variant, FWD_VARIANTS)
         if not _use_attention_kernel(q):
-            return _attention_reference(q, k, v, bias, mask, scale)
+            return _attention_reference(q, k, v, bias, mask, scale, tokens_first)
         if q.numel() == 0:
-            return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            return _empty_out(q, tokens_first)
         with _cuda.on_device(q.device):
-            plan, (q, k, v) = _prepared(kernel, False, q, k, v, bias, mask)
-            return _forward(plan, q, k, v, bias, mask, scale)
-    return _forward(plan, q, k, v, bias, mask, scale)
+            x = (variant, tokens_first)
+            plan, (q, k, v), _ = _prepared(kernel, False, q, k, v, bias, mask, x)
+            return _forward(plan, q, k, v, bias, mask, scale, tokens_first)
+    return _forward(plan, q, k, v, bias, mask, scale, tokens_first)
 
 
-def _forward(plan: _Plan, q, k, v, bias, mask, scale) -> torch.Tensor:
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+def _empty_out(q: torch.Tensor, tokens_first: bool) -> torch.Tensor:
+    windows, heads, n, d = q.shape
+    shape = (windows, n, heads, d) if tokens_first else (windows, heads, n, d)
+    return torch.empty(shape, dtype=q.dtype, device=q.device)
+
+
+def _forward(plan: _Plan, q, k, v, bias, mask, scale, tokens_first) -> torch.Tensor:
+    out = _empty_out(q, tokens_first)
     bias32, mask32 = _fp32(bias, plan.bias_fp32), _fp32(mask, plan.mask_fp32)
     _launch(plan, (q, k, v, bias32, mask32, out), scale)
     return out
 
 
-def _attention_backward_cuda_with(kernel, dout, q, k, v, bias, mask, scale) -> tuple:
-    """The backward on CUDA with the ``kernel`` pair (``"mma"`` or ``"scalar"``)."""
-    plan = _cached(kernel, dout, q, k, v, bias, mask, scale)
+def _attention_backward_cuda_with(
+    kernel, dout, q, k, v, bias, mask, scale, variant: str | None = None, out: tuple = ()
+) -> tuple:
+    """The backward on CUDA with the ``kernel`` pair (``"mma"`` or ``"scalar"``); ``variant``:
+    the mma backward's (default :func:`bwd_variant`). ``dout`` may be any [B_, nH, N, D] view
+    with a contiguous last dim (autograd's grad of a ``tokens_first`` output, transposed).
+    ``out``: dq, dk, dv to write, views with one set of strides (e.g. slices of the gradient of
+    a packed qkv tensor), else they are allocated."""
+    variant = bwd_variant() if variant is None else variant
+    views = _out_views(out, q)
+    plan = _cached(kernel, True, q, k, v, bias, mask, scale, (variant, dout, views))
     if plan is None:
         _check_attention(q, k, v, bias, mask, scale)
         _check_kernel(kernel)
-        if dout.shape != q.shape:
-            raise ValueError(
-                f"window_attention: grad has shape {tuple(dout.shape)}, not {tuple(q.shape)}"
-            )
-        if not _use_attention_kernel(q):
-            return _attention_backward_reference(dout, q, k, v, bias, mask, scale)
-        if q.numel() == 0:
-            grads = tuple(torch.empty(q.shape, dtype=q.dtype, device=q.device) for _ in "qkv")
-            return (*grads, torch.zeros(bias.shape, dtype=bias.dtype, device=q.device))
+        _check_variant(variant, BWD_VARIANTS)
+        _check_grad(dout, q)
+        if not _use_attention_kernel(q) or q.numel() == 0:
+            grads = _attention_backward_reference(dout, q, k, v, bias, mask, scale)
+            for dst, src in zip(out, grads):
+                dst.copy_(src)
+            return (*out, grads[3]) if out else grads
         with _cuda.on_device(q.device):
-            plan, (q, k, v) = _prepared(kernel, True, q, k, v, bias, mask)
-            return _backward(plan, dout.to(q.dtype), q, k, v, bias, mask, scale)
-    return _backward(plan, dout, q, k, v, bias, mask, scale)
+            x = (variant, dout.to(q.dtype), views)
+            plan, (q, k, v), (_, dout, _) = _prepared(kernel, True, q, k, v, bias, mask, x)
+            return _backward(plan, dout, q, k, v, bias, mask, scale, out)
+    return _backward(plan, dout, q, k, v, bias, mask, scale, out)
 
 
-def _backward(plan: _Plan, dout, q, k, v, bias, mask, scale) -> tuple:
-    dout = dout.contiguous()  # autograd's grad of a transposed output is a strided view
-    if dout.data_ptr() & plan.align:
-        dout = dout.clone()
-    dq, dk, dv = (torch.empty_like(q, memory_format=torch.contiguous_format) for _ in "qkv")
+def _backward(plan: _Plan, dout, q, k, v, bias, mask, scale, out: tuple = ()) -> tuple:
+    empty = (torch.empty_like(q, memory_format=torch.contiguous_format) for _ in "qkv")
+    dq, dk, dv = out or empty
     dbias = torch.zeros(bias.shape, dtype=torch.float32, device=dq.device)
     bias32, mask32 = _fp32(bias, plan.bias_fp32), _fp32(mask, plan.mask_fp32)
     _launch(plan, (dout, q, k, v, bias32, mask32, dq, dk, dv, dbias), scale)
     return dq, dk, dv, dbias if bias.dtype == torch.float32 else dbias.to(bias.dtype)
 
 
-def _attention_cuda(q, k, v, bias, mask, scale) -> torch.Tensor:
+def _attention_cuda(q, k, v, bias, mask, scale, tokens_first: bool = False) -> torch.Tensor:
     kernel = attention_kernel(q.device) if q.is_cuda else DEFAULT_KERNEL
-    return _attention_cuda_with(kernel, q, k, v, bias, mask, scale)
+    return _attention_cuda_with(kernel, q, k, v, bias, mask, scale, tokens_first)
 
 
-def _attention_backward_cuda(dout, q, k, v, bias, mask, scale) -> tuple:
+def _attention_backward_cuda(dout, q, k, v, bias, mask, scale, out: tuple = ()) -> tuple:
     kernel = attention_kernel(q.device) if q.is_cuda else DEFAULT_KERNEL
-    return _attention_backward_cuda_with(kernel, dout, q, k, v, bias, mask, scale)
+    return _attention_backward_cuda_with(kernel, dout, q, k, v, bias, mask, scale, None, out)
 
 
 def eager_on(device_type: str) -> Callable[[torch.Tensor], bool]:

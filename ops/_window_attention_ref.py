@@ -21,6 +21,7 @@ def _check_attention(
     bias: torch.Tensor,
     mask: torch.Tensor | None,
     scale: float,
+    tokens_first: bool = False,
 ) -> None:
     op = "window_attention"
     named = [("q", q), ("k", k), ("v", v), ("bias", bias)]
@@ -55,6 +56,8 @@ def _check_attention(
             )
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"{op}: scale must be a number, got {type(scale).__name__}")
+    if not isinstance(tokens_first, bool):
+        raise TypeError(f"{op}: tokens_first must be a bool, got {type(tokens_first).__name__}")
 
 
 def _shape_reasons(q: torch.Tensor) -> list[str]:
@@ -90,10 +93,25 @@ def _attention_reference(
     bias: torch.Tensor,
     mask: torch.Tensor | None,
     scale: float,
+    tokens_first: bool = False,
 ) -> torch.Tensor:
-    _check_attention(q, k, v, bias, mask, scale)
+    _check_attention(q, k, v, bias, mask, scale, tokens_first)
     p = _probabilities(q, k, bias, mask, scale)
-    return torch.matmul(p, v.to(p.dtype)).to(q.dtype)
+    out = torch.matmul(p, v.to(p.dtype))
+    if tokens_first:
+        out = out.transpose(1, 2)
+    return out.to(q.dtype).contiguous()
+
+
+def _check_grad(dout: torch.Tensor, q: torch.Tensor) -> None:
+    """The backward's ``grad``: q's shape, any strides (a transposed view of the gradient of a
+    ``tokens_first`` output is read in place)."""
+    if not isinstance(dout, torch.Tensor):
+        raise TypeError(f"window_attention: grad must be a Tensor, got {type(dout).__name__}")
+    if dout.shape != q.shape:
+        raise ValueError(
+            f"window_attention: grad has shape {tuple(dout.shape)}, not {tuple(q.shape)}"
+        )
 
 
 def _attention_backward_reference(
@@ -106,6 +124,7 @@ def _attention_backward_reference(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_attention(q, k, v, bias, mask, scale)
+    _check_grad(dout, q)
     p = _probabilities(q, k, bias, mask, scale)
     ct = p.dtype
     do = dout.to(ct)
@@ -118,12 +137,15 @@ def _attention_backward_reference(
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias.to(bias.dtype)
 
 
-def _attention_fake(q, k, v, bias, mask, scale):
-    _check_attention(q, k, v, bias, mask, scale)
-    return torch.empty_like(q, memory_format=torch.contiguous_format)
+def _attention_fake(q, k, v, bias, mask, scale, tokens_first=False):
+    _check_attention(q, k, v, bias, mask, scale, tokens_first)
+    windows, heads, n, d = q.shape
+    shape = (windows, n, heads, d) if tokens_first else (windows, heads, n, d)
+    return q.new_empty(shape)
 
 
 def _attention_backward_fake(dout, q, k, v, bias, mask, scale):
     _check_attention(q, k, v, bias, mask, scale)
+    _check_grad(dout, q)
     grads = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)]
     return (*grads, torch.empty_like(bias, memory_format=torch.contiguous_format))

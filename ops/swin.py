@@ -4,8 +4,8 @@ What changes, module by module (the model's parameters, buffers and state_dict k
 
 - every timm ``WindowAttention`` becomes a :class:`FusedWindowAttention` that shares its
   ``qkv``/``proj`` layers, bias table and index, and computes the attention core with
-  ``aiak::window_attention`` (bias gathered from the table as timm does, so the table's gradient
-  flows through torch's gather);
+  ``aiak::window_attention`` on qkv's output as it is (``window_attention_qkv``; bias gathered
+  from the table as timm does, so the table's gradient flows through torch's gather);
 - every ``SwinTransformerBlock`` whose windows tile the feature map (no padding, one square
   window, equal shifts, a fixed mask buffer) gets an ``_attn`` that does the roll + partition
   and its inverse with ``aiak::roll_window_partition`` / ``aiak::window_merge_roll`` in eager
@@ -25,7 +25,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from aiak.ops.window_attention import roll_window_partition, window_attention, window_merge_roll
+from aiak.ops.window_attention import (
+    roll_window_partition,
+    window_attention_qkv,
+    window_merge_roll,
+)
 
 __all__ = ["FusedWindowAttention", "convert", "find_window_attention"]
 
@@ -66,11 +70,11 @@ class FusedWindowAttention(nn.Module):
         return bias.view(-1, n, n)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        windows, n, _ = x.shape
-        qkv = self.qkv(x).reshape(windows, n, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)  # strided views: the kernel reads them in place
-        out = window_attention(q, k, v, self.relative_position_bias(), mask, self.scale)
-        out = out.transpose(1, 2).reshape(windows, n, -1)
+        # q, k, v read in place from qkv's output, the result written in proj's input layout,
+        # and (eager) the gradients of q, k, v written into one gradient of qkv's output
+        out = window_attention_qkv(
+            self.qkv(x), self.num_heads, self.relative_position_bias(), mask, self.scale
+        )
         return self.proj_drop(self.proj(out))
 
 

@@ -3,7 +3,8 @@
     compute-sanitizer --tool memcheck python3 scripts/sanitize_window_attention.py
     compute-sanitizer --tool racecheck python3 scripts/sanitize_window_attention.py
 
-Forward and backward of both kernel pairs (``mma`` and ``scalar``) for fp16/bf16, D = 32/64,
+Forward and backward of both kernel pairs (``mma`` in every forward and backward variant,
+``scalar``) for fp16/bf16, D = 32/64,
 N = 49 (padded tiles), 64 and 13, with and without the mask, a strided q/k/v view, and one
 mma case with enough heads that every block loops over several windows (its shared tiles
 are reused, its bias gradient summed across windows); both gathers at 16-byte and 2-byte word
@@ -17,6 +18,7 @@ import sys
 import torch
 
 from aiak.ops import _window_attention_cuda as wac
+from aiak.ops import _window_attention_kernels as wak
 from aiak.ops import _window_attention_ref as war
 from aiak.ops import window_partition as wp
 
@@ -31,22 +33,30 @@ def main() -> int:
     ]
     # many heads, few windows: every mma block loops over several windows (G is ~4 to 12)
     cases.append((("mma",), torch.float16, 48, 48, 49, 32, 4))
+    variants = [("base", b) for b in wak.BWD_VARIANTS]
+    variants += [(f, "base") for f in wak.FWD_VARIANTS if f != "base"]
     for kernels, dtype, windows, heads, n, d, nw in cases:
-        for kernel in kernels:
+        runs = [
+            (kernel, f, b)
+            for kernel in kernels
+            for f, b in (variants if kernel == "mma" else [("base", "base")])
+        ]
+        for kernel, fwd, bwd in runs:
             x = torch.randn(windows, n, 3, heads, d, device="cuda", dtype=dtype)
             q, k, v = x.permute(2, 0, 3, 1, 4).unbind(0)
             bias = torch.randn(heads, n, n, device="cuda")
             mask = torch.randn(nw, n, n, device="cuda") if nw else None
-            out = wac._attention_cuda_with(kernel, q, k, v, bias, mask, 0.2)
-            ref = war._attention_reference(q, k, v, bias, mask, 0.2)
-            dout = torch.randn_like(out)
-            got = wac._attention_backward_cuda_with(kernel, dout, q, k, v, bias, mask, 0.2)
+            out = wac._attention_cuda_with(kernel, q, k, v, bias, mask, 0.2, True, fwd)
+            ref = war._attention_reference(q, k, v, bias, mask, 0.2, True)
+            dout = torch.randn_like(out).transpose(1, 2)  # as autograd hands it over
+            got = wac._attention_backward_cuda_with(kernel, dout, q, k, v, bias, mask, 0.2, bwd)
             want = war._attention_backward_reference(dout, q, k, v, bias, mask, 0.2)
             pairs = [(out, ref), *zip(got, want)]
             for a, b in pairs:
                 err = ((a.float() - b.float()).norm() / b.float().norm()).item()
                 if not err < 5e-2:
-                    print(f"{kernel} {dtype} windows={windows} n={n} d={d}: rel err {err:.3g}")
+                    where = f"{kernel} {fwd}/{bwd} {dtype} windows={windows} n={n} d={d}"
+                    print(f"{where}: rel err {err:.3g}")
                     bad += 1
     for c in (8, 3):
         x = torch.randn(2, 14, 14, c, device="cuda", dtype=torch.float16)

@@ -42,6 +42,14 @@ def _specs(device: torch.device) -> list[Spec]:
                         bench=label == "stage1" and masked,
                     )
                 )
+        for label, heads, nw, batch in _STAGES[:3:2]:  # the [B_, N, nH, D] output Swin reads
+            specs.append(
+                Spec(
+                    f"{label} b{batch} mask tokens_first {_NAMES[dtype]}",
+                    dtype,
+                    {"heads": heads, "nw": nw, "batch": batch, "mask": True, "tokens_first": True},
+                )
+            )
     return specs
 
 
@@ -60,7 +68,16 @@ def _inputs(spec: Spec, device: torch.device, gen: torch.Generator) -> dict[str,
     bias = (0.5 * draw((p["heads"], _N, _N), gen, device)).float()  # fp32, as under autocast
     mask = _swin_mask(p["nw"], gen).to(device) if p["mask"] else None
     dout = draw(shape, gen, device, spec.dtype)
-    return {"q": q, "k": k, "v": v, "bias": bias, "mask": mask, "dout": dout, "scale": _D**-0.5}
+    return {
+        "q": q,
+        "k": k,
+        "v": v,
+        "bias": bias,
+        "mask": mask,
+        "dout": dout,
+        "scale": _D**-0.5,
+        "tokens_first": p.get("tokens_first", False),
+    }
 
 
 def _with_grads(inp: dict[str, Any], fn) -> dict[str, torch.Tensor]:
@@ -71,10 +88,13 @@ def _with_grads(inp: dict[str, Any], fn) -> dict[str, torch.Tensor]:
 
 
 def _candidate(inp: dict[str, Any]) -> dict[str, torch.Tensor]:
-    return _with_grads(
-        inp,
-        lambda t: window_attention(t["q"], t["k"], t["v"], t["bias"], inp["mask"], inp["scale"]),
-    )
+    def attention(t: dict[str, torch.Tensor]) -> torch.Tensor:
+        args = (t["q"], t["k"], t["v"], t["bias"], inp["mask"], inp["scale"])
+        if inp["tokens_first"]:  # compared as [B_, nH, N, D]: the backward reads a strided grad
+            return window_attention(*args, tokens_first=True).transpose(1, 2)
+        return window_attention(*args)
+
+    return _with_grads(inp, attention)
 
 
 def _reference(inp: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -108,8 +108,8 @@ __device__ __forceinline__ void forward_body(const T* __restrict__ q, const T* _
                                              const T* __restrict__ v, const float* __restrict__ bias,
                                              const float* __restrict__ mask, T* __restrict__ out,
                                              i64 qb, i64 qh, i64 qn, i64 kb, i64 kh, i64 kn,
-                                             i64 vb, i64 vh, i64 vn, int B_, int nH, int N,
-                                             int nW, float scale) {
+                                             i64 vb, i64 vh, i64 vn, i64 ob, i64 oh, i64 on,
+                                             int B_, int nH, int N, int nW, float scale) {
   extern __shared__ float smem[];
   const int NP = (N + 3) & ~3;
   const int ld = D + 1, ls = NP + 1;
@@ -137,7 +137,7 @@ __device__ __forceinline__ void forward_body(const T* __restrict__ q, const T* _
     }
     __syncthreads();
     // out = P V
-    T* out_bh = out + ((i64)b * nH + h) * N * D;
+    T* out_bh = out + (i64)b * ob + (i64)h * oh;
     const int rt = NP / 4, ct = D / 4;
     for (int t = threadIdx.x; t < rt * ct; t += blockDim.x) {
       const int r0 = (t / ct) * 4, c0 = (t % ct) * 4;
@@ -148,7 +148,7 @@ __device__ __forceinline__ void forward_body(const T* __restrict__ q, const T* _
         const int i = r0 + m;
         if (i < N) {
 #pragma unroll
-          for (int n = 0; n < 4; ++n) out_bh[(i64)i * D + c0 + n] = from_float<T>(acc[m][n]);
+          for (int n = 0; n < 4; ++n) out_bh[(i64)i * on + c0 + n] = from_float<T>(acc[m][n]);
         }
       }
     }
@@ -156,11 +156,11 @@ __device__ __forceinline__ void forward_body(const T* __restrict__ q, const T* _
   }
 }
 
-// Writes rows < N of C = A B (C is [N, D] contiguous in global memory), times `alpha`.
+// Writes rows < N of C = A B (C is [N, D] in global memory, row stride sn), times `alpha`.
 template <typename T, int D>
 __device__ __forceinline__ void product_out(const float* A, int ars, int aks, const float* B,
                                             int bks, int bcs, int K, int N, int NP, float alpha,
-                                            T* __restrict__ dst) {
+                                            T* __restrict__ dst, i64 sn) {
   const int rt = NP / 4, ct = D / 4;
   for (int t = threadIdx.x; t < rt * ct; t += blockDim.x) {
     const int r0 = (t / ct) * 4, c0 = (t % ct) * 4;
@@ -171,7 +171,7 @@ __device__ __forceinline__ void product_out(const float* A, int ars, int aks, co
       const int i = r0 + m;
       if (i < N) {
 #pragma unroll
-        for (int n = 0; n < 4; ++n) dst[(i64)i * D + c0 + n] = from_float<T>(acc[m][n] * alpha);
+        for (int n = 0; n < 4; ++n) dst[(i64)i * sn + c0 + n] = from_float<T>(acc[m][n] * alpha);
       }
     }
   }
@@ -182,8 +182,8 @@ __device__ __forceinline__ void backward_body(
     const T* __restrict__ dout, const T* __restrict__ q, const T* __restrict__ k,
     const T* __restrict__ v, const float* __restrict__ bias, const float* __restrict__ mask,
     T* __restrict__ dq, T* __restrict__ dk, T* __restrict__ dv, float* __restrict__ dbias,
-    i64 qb, i64 qh, i64 qn, i64 kb, i64 kh, i64 kn, i64 vb, i64 vh, i64 vn, int B_, int nH, int N,
-    int nW, float scale) {
+    i64 qb, i64 qh, i64 qn, i64 kb, i64 kh, i64 kn, i64 vb, i64 vh, i64 vn, i64 gb, i64 gh, i64 gn,
+    i64 xb, i64 xh, i64 xn, int B_, int nH, int N, int nW, float scale) {
   extern __shared__ float smem[];
   const int NP = (N + 3) & ~3;
   const int ld = D + 1, ls = NP + 1;
@@ -199,11 +199,11 @@ __device__ __forceinline__ void backward_body(
   const float* bias_h = bias + (i64)h * N * N;
   for (int idx = threadIdx.x; idx < N * N; idx += blockDim.x) dB[idx] = 0.f;
   for (int b = blockIdx.x; b < B_; b += gridDim.x) {
-    const i64 obh = ((i64)b * nH + h) * N * D;  // offset of this (window, head) in dout/dq/dk/dv
+    const i64 obh = (i64)b * xb + (i64)h * xh;  // offset of this (window, head) in dq/dk/dv
     load_rows<T, D>(Q, ld, q + (i64)b * qb + (i64)h * qh, qn, N, NP);
     load_rows<T, D>(K, ld, k + (i64)b * kb + (i64)h * kh, kn, N, NP);
     load_rows<T, D>(V, ld, v + (i64)b * vb + (i64)h * vh, vn, N, NP);
-    load_rows<T, D>(dO, ld, dout + obh, D, N, NP);
+    load_rows<T, D>(dO, ld, dout + (i64)b * gb + (i64)h * gh, gn, N, NP);
     __syncthreads();
     const float* mask_w = mask != nullptr ? mask + (i64)(b % nW) * N * N : nullptr;
     scores<D>(P, ls, Q, K, ld, bias_h, mask_w, scale, N, NP);
@@ -242,9 +242,9 @@ __device__ __forceinline__ void backward_body(
     }
     __syncthreads();
     // dV = P^T dO; dQ = scale * dS K; dK = scale * dS^T Q
-    product_out<T, D>(P, 1, ls, dO, ld, 1, NP, N, NP, 1.f, dv + obh);
-    product_out<T, D>(dS, ls, 1, K, ld, 1, NP, N, NP, scale, dq + obh);
-    product_out<T, D>(dS, 1, ls, Q, ld, 1, NP, N, NP, scale, dk + obh);
+    product_out<T, D>(P, 1, ls, dO, ld, 1, NP, N, NP, 1.f, dv + obh, xn);
+    product_out<T, D>(dS, ls, 1, K, ld, 1, NP, N, NP, scale, dq + obh, xn);
+    product_out<T, D>(dS, 1, ls, Q, ld, 1, NP, N, NP, scale, dk + obh, xn);
     __syncthreads();  // the next window overwrites the tiles
   }
   if (blockIdx.x < B_) {
@@ -256,19 +256,20 @@ __device__ __forceinline__ void backward_body(
 #define WA_FORWARD(NAME, T, D)                                                                   \
   extern "C" __global__ void __launch_bounds__(WA_THREADS)                                       \
       NAME(const T* q, const T* k, const T* v, const float* bias, const float* mask, T* out,     \
-           i64 qb, i64 qh, i64 qn, i64 kb, i64 kh, i64 kn, i64 vb, i64 vh, i64 vn, int B_,        \
-           int nH, int N, int nW, float scale) {                                                  \
-    forward_body<T, D>(q, k, v, bias, mask, out, qb, qh, qn, kb, kh, kn, vb, vh, vn, B_, nH, N,  \
-                       nW, scale);                                                               \
+           i64 qb, i64 qh, i64 qn, i64 kb, i64 kh, i64 kn, i64 vb, i64 vh, i64 vn, i64 ob, i64 oh, \
+           i64 on, int B_, int nH, int N, int nW, float scale) {                                  \
+    forward_body<T, D>(q, k, v, bias, mask, out, qb, qh, qn, kb, kh, kn, vb, vh, vn, ob, oh, on, \
+                       B_, nH, N, nW, scale);                                                    \
   }
 
 #define WA_BACKWARD(NAME, T, D)                                                                  \
   extern "C" __global__ void __launch_bounds__(WA_THREADS)                                       \
       NAME(const T* dout, const T* q, const T* k, const T* v, const float* bias,                 \
            const float* mask, T* dq, T* dk, T* dv, float* dbias, i64 qb, i64 qh, i64 qn, i64 kb,  \
-           i64 kh, i64 kn, i64 vb, i64 vh, i64 vn, int B_, int nH, int N, int nW, float scale) {  \
+           i64 kh, i64 kn, i64 vb, i64 vh, i64 vn, i64 gb, i64 gh, i64 gn, i64 xb, i64 xh, i64 xn, \
+           int B_, int nH, int N, int nW, float scale) {                                          \
     backward_body<T, D>(dout, q, k, v, bias, mask, dq, dk, dv, dbias, qb, qh, qn, kb, kh, kn, vb, \
-                        vh, vn, B_, nH, N, nW, scale);                                           \
+                        vh, vn, gb, gh, gn, xb, xh, xn, B_, nH, N, nW, scale);                   \
   }
 
 WA_FORWARD(window_attention_fwd_f16_d32, half_t, 32)
@@ -451,6 +452,55 @@ __device__ __forceinline__ void wm_b_cols(u32& b0, u32& b1, const u16* s, int ld
   b1 = wm_pair(p + 8 * ld, p + 9 * ld);
 }
 
+// ldmatrix (sm_75+): one instruction loads four 8x8 b16 matrices, lane l giving the row
+// address of matrix l / 8, row l % 8 (16-byte aligned: the tiles' row strides are multiples of
+// 16 bytes). Register i of lane (g, t) gets matrix i's [g][2t, 2t+1], or with .trans its
+// [2t, 2t+1][g]: exactly the m16n8k16 fragments, one instruction where the 32-bit and 16-bit
+// reads above need four to eight. The "memory" clobber keeps them on their side of barriers.
+__device__ __forceinline__ u32 wm_smem_addr(const void* p) {
+  u32 a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+__device__ __forceinline__ void wm_ldsm(u32 (&r)[4], const u16* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(wm_smem_addr(p))
+               : "memory");
+}
+__device__ __forceinline__ void wm_ldsm_t(u32 (&r)[4], const u16* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(wm_smem_addr(p))
+               : "memory");
+}
+
+// The transposed-operand fragments either way (LDM: ldmatrix.trans; else the 16-bit reads
+// above). Pairs of B fragments cover n-tiles n0 and n0 + 8: b[0], b[1] for n0, b[2], b[3] for
+// n0 + 8. (Q K^T and dO V^T read 32-bit words already; there ldmatrix saves less and its
+// results, loaded ahead, cost the registers the alias variants do not have.)
+template <bool LDM>
+__device__ __forceinline__ void wm_a_cols_(u32 (&a)[4], const u16* s, int ld, int m0, int k0,
+                                           int lane) {
+  if (LDM) {
+    const int j = lane >> 3, r = lane & 7;
+    wm_ldsm_t(a, s + (k0 + r + (j >> 1) * 8) * ld + m0 + (j & 1) * 8);
+  } else {
+    wm_a_cols(a, s, ld, m0, k0, lane >> 2, lane & 3);
+  }
+}
+template <bool LDM>
+__device__ __forceinline__ void wm_b_cols2(u32 (&b)[4], const u16* s, int ld, int n0, int k0,
+                                           int lane) {
+  if (LDM) {
+    const int j = lane >> 3, r = lane & 7;
+    wm_ldsm_t(b, s + (k0 + r + (j & 1) * 8) * ld + n0 + (j >> 1) * 8);
+  } else {
+    wm_b_cols(b[0], b[1], s, ld, n0, k0, lane >> 2, lane & 3);
+    wm_b_cols(b[2], b[3], s, ld, n0 + 8, k0, lane >> 2, lane & 3);
+  }
+}
+
 // One [64][D] tile of a (window, head) in registers: 16-byte words, rows >= N zero.
 template <int D>
 struct WmTile {
@@ -482,6 +532,26 @@ struct WmTile {
   }
 };
 
+// The same tile straight from global to shared memory (cp.async.cg, sm_80+: no registers on the
+// way): rows >= N are zero-filled (source size 0; the source address stays row 0's, a valid one).
+// Lands after wm_cp_wait() and a barrier.
+template <int D, typename T>
+__device__ __forceinline__ void wm_cp_tile(u16* dst, const T* __restrict__ src, i64 sn, int N) {
+  constexpr int VPR = D / 8, PER_THREAD = WM_ROWS * VPR / WA_THREADS;
+#pragma unroll 1
+  for (int r = 0; r < PER_THREAD; ++r) {
+    const int idx = threadIdx.x + r * WA_THREADS;
+    const int row = idx / VPR, c = idx % VPR;
+    const T* from = src + (row < N ? (i64)row * sn : 0) + c * 8;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(
+                     wm_smem_addr(dst + row * (D + 8) + c * 8)),
+                 "l"(from), "r"(row < N ? 16 : 0)
+                 : "memory");
+  }
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+__device__ __forceinline__ void wm_cp_wait() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
 // bias[h] + mask[w] (fp32) into the [64][WM_LDB] table; -inf in key columns >= N, 0 in rows >= N.
 __device__ __forceinline__ void wm_bias_table(float* bm, const float* __restrict__ bias_h,
                                               const float* __restrict__ mask_w, int N) {
@@ -500,24 +570,32 @@ __device__ __forceinline__ void wm_bias_table(float* bm, const float* __restrict
 
 // s = scale * Q K^T + table for this warp's 16 rows, then the row softmax in place: on return
 // s holds exp(s - rowmax) and inv[0], inv[1] the reciprocal row sums of rows g and g + 8.
+// acc[8][4] = A B^T for this warp's 16 rows: A(m, k) = As[m * ld + k], B(n, k) = Bs[n * ld + k]
+// over k < D (Q K^T, dO V^T).
+template <typename T, int D>
+__device__ __forceinline__ void wm_rows_times_rows(float (&acc)[8][4], const u16* As,
+                                                   const u16* Bs, int m0, int g, int t) {
+  constexpr int LD = D + 8;
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    u32 a[4];
+    wm_a_rows(a, As, LD, m0, kk * 16, g, t);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      u32 b0, b1;
+      wm_b_rows(b0, b1, Bs, LD, nt * 8, kk * 16, g, t);
+      wm_mma<T>(acc[nt], a, b0, b1);
+    }
+  }
+}
+
 template <typename T, int D>
 __device__ __forceinline__ void wm_scores_softmax(float (&s)[8][4], float (&inv)[2], const u16* Qs,
                                                   const u16* Ks, const float* bm, float scale,
                                                   int m0, int g, int t) {
-  constexpr int LD = D + 8;
-#pragma unroll
-  for (int nt = 0; nt < 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) {
-    u32 a[4];
-    wm_a_rows(a, Qs, LD, m0, kk * 16, g, t);
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      u32 b0, b1;
-      wm_b_rows(b0, b1, Ks, LD, nt * 8, kk * 16, g, t);
-      wm_mma<T>(s[nt], a, b0, b1);
-    }
-  }
+  wm_rows_times_rows<T, D>(s, Qs, Ks, m0, g, t);
   float mx[2] = {neg_inf(), neg_inf()};
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt) {
@@ -553,7 +631,7 @@ __device__ __forceinline__ void wm_scores_softmax(float (&s)[8][4], float (&inv)
 
 // acc[D/8][4] = A (16 x 64, the warp's rows, from registers as C fragments) x B (64 x D), with
 // B(k, n) = Bs[k * ld + n].
-template <typename T, int D>
+template <typename T, int D, bool LDM = false>
 __device__ __forceinline__ void wm_regs_times(float (&acc)[D / 8][4], const float (&c)[8][4],
                                               const u16* Bs, int ld, int g, int t) {
 #pragma unroll
@@ -565,58 +643,116 @@ __device__ __forceinline__ void wm_regs_times(float (&acc)[D / 8][4], const floa
     a[1] = wm_pack<T>(c[2 * kk][2], c[2 * kk][3]);
     a[2] = wm_pack<T>(c[2 * kk + 1][0], c[2 * kk + 1][1]);
     a[3] = wm_pack<T>(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+    if (LDM) {
 #pragma unroll
-    for (int nt = 0; nt < D / 8; ++nt) {
-      u32 b0, b1;
-      wm_b_cols(b0, b1, Bs, ld, nt * 8, kk * 16, g, t);
-      wm_mma<T>(acc[nt], a, b0, b1);
+      for (int nt = 0; nt < D / 8; nt += 2) {
+        u32 b[4];
+        wm_b_cols2<LDM>(b, Bs, ld, nt * 8, kk * 16, g * 4 + t);
+        wm_mma<T>(acc[nt], a, b[0], b[1]);
+        wm_mma<T>(acc[nt + 1], a, b[2], b[3]);
+      }
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < D / 8; ++nt) {
+        u32 b0, b1;
+        wm_b_cols(b0, b1, Bs, ld, nt * 8, kk * 16, g, t);
+        wm_mma<T>(acc[nt], a, b0, b1);
+      }
+    }
+  }
+}
+
+// wm_regs_times with A already packed to 16-bit pairs (c[nt][r]: rows g + 8r of n-tile nt, as
+// wm_pack would give them) and B(k, n) = Bs[k * ld + n].
+template <typename T, int D, bool LDM>
+__device__ __forceinline__ void wm_packed_times(float (&acc)[D / 8][4], const u32 (&c)[8][2],
+                                                const u16* Bs, int ld, int lane) {
+#pragma unroll
+  for (int nt = 0; nt < D / 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    const u32 a[4] = {c[2 * kk][0], c[2 * kk][1], c[2 * kk + 1][0], c[2 * kk + 1][1]};
+#pragma unroll
+    for (int nt = 0; nt < D / 8; nt += 2) {
+      u32 b[4];
+      wm_b_cols2<LDM>(b, Bs, ld, nt * 8, kk * 16, lane);
+      wm_mma<T>(acc[nt], a, b[0], b[1]);
+      wm_mma<T>(acc[nt + 1], a, b[2], b[3]);
     }
   }
 }
 
 // acc[D/8][4] = A^T (rows m0.. of the transpose of the [64][64] tile As) x B (64 x D),
 // B(k, n) = Bs[k * ld + n].
-template <typename T, int D>
+template <typename T, int D, bool LDM, int KU = 4>
 __device__ __forceinline__ void wm_tile_t_times(float (&acc)[D / 8][4], const u16* As,
                                                 const u16* Bs, int ld, int m0, int g, int t) {
+  const int lane = g * 4 + t;
 #pragma unroll
   for (int nt = 0; nt < D / 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-#pragma unroll
+#pragma unroll KU
   for (int kk = 0; kk < 4; ++kk) {
     u32 a[4];
-    wm_a_cols(a, As, WM_LDP, m0, kk * 16, g, t);
+    if (LDM) {
+      wm_a_cols_<LDM>(a, As, WM_LDP, m0, kk * 16, lane);
+    } else {
+      wm_a_cols(a, As, WM_LDP, m0, kk * 16, g, t);
+    }
+    if (LDM) {
 #pragma unroll
-    for (int nt = 0; nt < D / 8; ++nt) {
-      u32 b0, b1;
-      wm_b_cols(b0, b1, Bs, ld, nt * 8, kk * 16, g, t);
-      wm_mma<T>(acc[nt], a, b0, b1);
+      for (int nt = 0; nt < D / 8; nt += 2) {
+        u32 b[4];
+        wm_b_cols2<LDM>(b, Bs, ld, nt * 8, kk * 16, lane);
+        wm_mma<T>(acc[nt], a, b[0], b[1]);
+        wm_mma<T>(acc[nt + 1], a, b[2], b[3]);
+      }
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < D / 8; ++nt) {
+        u32 b0, b1;
+        wm_b_cols(b0, b1, Bs, ld, nt * 8, kk * 16, g, t);
+        wm_mma<T>(acc[nt], a, b0, b1);
+      }
     }
   }
 }
 
-// Rows m0 + g and m0 + g + 8 (those < N) of a contiguous [N, D] output, times alpha[0 or 1].
+// Rows m0 + g, m0 + g + 8 of a [64][WM_LDP] 16-bit tile from packed C fragments (P or dS).
+__device__ __forceinline__ void wm_put_rows(u16* dst, const u32 (&c)[8][2], int m0, int g, int t) {
+  const int r0 = m0 + g, r1 = r0 + 8;
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+    const int col = nt * 8 + 2 * t;
+    *reinterpret_cast<u32*>(dst + r0 * WM_LDP + col) = c[nt][0];
+    *reinterpret_cast<u32*>(dst + r1 * WM_LDP + col) = c[nt][1];
+  }
+}
+
+// Rows m0 + g and m0 + g + 8 (those < N) of an [N, D] output with row stride `sn` (even),
+// times alpha[0 or 1].
 template <typename T, int D>
-__device__ __forceinline__ void wm_store(T* __restrict__ dst, const float (&acc)[D / 8][4],
+__device__ __forceinline__ void wm_store(T* __restrict__ dst, i64 sn, const float (&acc)[D / 8][4],
                                          float alpha0, float alpha1, int m0, int N, int g, int t) {
   const int r0 = m0 + g, r1 = r0 + 8;
 #pragma unroll
   for (int nt = 0; nt < D / 8; ++nt) {
     const int col = nt * 8 + 2 * t;
     if (r0 < N)
-      *reinterpret_cast<u32*>(dst + (i64)r0 * D + col) =
+      *reinterpret_cast<u32*>(dst + (i64)r0 * sn + col) =
           wm_pack<T>(acc[nt][0] * alpha0, acc[nt][1] * alpha0);
     if (r1 < N)
-      *reinterpret_cast<u32*>(dst + (i64)r1 * D + col) =
+      *reinterpret_cast<u32*>(dst + (i64)r1 * sn + col) =
           wm_pack<T>(acc[nt][2] * alpha1, acc[nt][3] * alpha1);
   }
 }
 
-template <typename T, int D>
+// LDM: V's fragments (the B operand of P V, a transposed read) through ldmatrix.trans.
+template <typename T, int D, bool LDM>
 __device__ __forceinline__ void mma_forward_body(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const float* __restrict__ bias, const float* __restrict__ mask, T* __restrict__ out, i64 qb,
-    i64 qh, i64 qn, i64 kb, i64 kh, i64 kn, i64 vb, i64 vh, i64 vn, int B_, int nH, int N, int nW,
-    float scale) {
+    i64 qh, i64 qn, i64 kb, i64 kh, i64 kn, i64 vb, i64 vh, i64 vn, i64 ob, i64 oh, i64 on,
+    int B_, int nH, int N, int nW, float scale) {
   extern __shared__ __attribute__((aligned(16))) u32 wm_smem[];
   constexpr int LD = D + 8;
   float* bm = reinterpret_cast<float*>(wm_smem);
@@ -649,27 +785,38 @@ __device__ __forceinline__ void mma_forward_body(
     float s[8][4], inv[2];
     wm_scores_softmax<T, D>(s, inv, Qs, Ks, bm, scale, m0, g, t);
     float o[D / 8][4];
-    wm_regs_times<T, D>(o, s, Vs, LD, g, t);
-    wm_store<T, D>(out + ((i64)b * nH + h) * N * D, o, inv[0], inv[1], m0, N, g, t);
+    wm_regs_times<T, D, LDM>(o, s, Vs, LD, g, t);
+    wm_store<T, D>(out + (i64)b * ob + (i64)h * oh, on, o, inv[0], inv[1], m0, N, g, t);
   }
 }
 
-template <typename T, int D>
+// LDM: fragments through ldmatrix. ALIAS: P and dS share one [64][WM_LDP] tile (8.4 KiB less
+// shared memory: one barrier more per window, dS kept in registers through dV) and the tiles
+// of the next window are not prefetched into registers (32 registers less); the two together
+// fit four blocks per SM at 128 registers (WM_BACKWARD_V's MINB) where the prefetching,
+// separate-tile kernel fits three. CP (with ALIAS): the tiles come by cp.async, each into its
+// own tile as soon as every warp is done with it: V after the barrier that follows P (dP is
+// done), dO after dV, K after dQ, all three in flight while the window finishes; only Q (read
+// by dK, last) is loaded at the top of the next window. The maths and its rounding are the
+// same in every variant.
+template <typename T, int D, bool LDM, bool ALIAS, bool CP>
 __device__ __forceinline__ void mma_backward_body(
     const T* __restrict__ dout, const T* __restrict__ q, const T* __restrict__ k,
     const T* __restrict__ v, const float* __restrict__ bias, const float* __restrict__ mask,
     T* __restrict__ dq, T* __restrict__ dk, T* __restrict__ dv, float* __restrict__ dbias,
-    i64 qb, i64 qh, i64 qn, i64 kb, i64 kh, i64 kn, i64 vb, i64 vh, i64 vn, int B_, int nH, int N,
-    int nW, float scale) {
+    i64 qb, i64 qh, i64 qn, i64 kb, i64 kh, i64 kn, i64 vb, i64 vh, i64 vn, i64 gb, i64 gh, i64 gn,
+    i64 xb, i64 xh, i64 xn, int B_, int nH, int N, int nW, float scale) {
   extern __shared__ __attribute__((aligned(16))) u32 wm_smem[];
   constexpr int LD = D + 8;
+  constexpr bool PREFETCH = !ALIAS;
+  static_assert(ALIAS || !CP, "the cp.async loads follow the alias variant's barriers");
   float* bm = reinterpret_cast<float*>(wm_smem);
   u16* Qs = reinterpret_cast<u16*>(bm + WM_ROWS * WM_LDB);
   u16* Ks = Qs + WM_ROWS * LD;
   u16* Vs = Ks + WM_ROWS * LD;
   u16* dOs = Vs + WM_ROWS * LD;
-  u16* Ps = dOs + WM_ROWS * LD;     // [64][WM_LDP]: P, row-major
-  u16* dSs = Ps + WM_ROWS * WM_LDP;  // [64][WM_LDP]: dS, row-major
+  u16* Ps = dOs + WM_ROWS * LD;                         // [64][WM_LDP]: P, row-major
+  u16* dSs = ALIAS ? Ps : Ps + WM_ROWS * WM_LDP;        // [64][WM_LDP]: dS, row-major
   const int h = blockIdx.y, g0 = blockIdx.x;
   const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
   const int g = lane >> 2, t = lane & 3, m0 = warp * 16;
@@ -679,44 +826,47 @@ __device__ __forceinline__ void mma_backward_body(
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt) db[nt][0] = db[nt][1] = db[nt][2] = db[nt][3] = 0.f;
   WmTile<D> tq, tk, tv, td;
-  if (g0 < B_) {
+  if (PREFETCH && g0 < B_) {
     tq.load(q + (i64)g0 * qb + (i64)h * qh, qn, N);
     tk.load(k + (i64)g0 * kb + (i64)h * kh, kn, N);
     tv.load(v + (i64)g0 * vb + (i64)h * vh, vn, N);
-    td.load(dout + ((i64)g0 * nH + h) * N * D, D, N);
+    td.load(dout + (i64)g0 * gb + (i64)h * gh, gn, N);
+  }
+  if (CP && g0 < B_) {
+    wm_cp_tile<D>(Ks, k + (i64)g0 * kb + (i64)h * kh, kn, N);
+    wm_cp_tile<D>(Vs, v + (i64)g0 * vb + (i64)h * vh, vn, N);
+    wm_cp_tile<D>(dOs, dout + (i64)g0 * gb + (i64)h * gh, gn, N);
   }
   for (int b = g0; b < B_; b += gridDim.x) {
     __syncthreads();  // the previous window is done with every tile
-    tq.store(Qs);
-    tk.store(Ks);
-    tv.store(Vs);
-    td.store(dOs);
-    __syncthreads();
     const int nb = b + gridDim.x;
-    if (nb < B_) {
+    if (CP) {
+      wm_cp_tile<D>(Qs, q + (i64)b * qb + (i64)h * qh, qn, N);
+      wm_cp_wait();
+    } else {
+      if (!PREFETCH) {
+        tq.load(q + (i64)b * qb + (i64)h * qh, qn, N);
+        tk.load(k + (i64)b * kb + (i64)h * kh, kn, N);
+        tv.load(v + (i64)b * vb + (i64)h * vh, vn, N);
+        td.load(dout + (i64)b * gb + (i64)h * gh, gn, N);
+      }
+      tq.store(Qs);
+      tk.store(Ks);
+      tv.store(Vs);
+      td.store(dOs);
+    }
+    __syncthreads();
+    if (PREFETCH && nb < B_) {
       tq.load(q + (i64)nb * qb + (i64)h * qh, qn, N);
       tk.load(k + (i64)nb * kb + (i64)h * kh, kn, N);
       tv.load(v + (i64)nb * vb + (i64)h * vh, vn, N);
-      td.load(dout + ((i64)nb * nH + h) * N * D, D, N);
+      td.load(dout + (i64)nb * gb + (i64)h * gh, gn, N);
     }
-    const i64 obh = ((i64)b * nH + h) * N * D;
+    const i64 obh = (i64)b * xb + (i64)h * xh;  // this (window, head) in dq, dk and dv
     float p[8][4], inv[2];
     wm_scores_softmax<T, D>(p, inv, Qs, Ks, bm, scale, m0, g, t);
-    // dP = dO V^T for the warp's rows
-    float ds[8][4];
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) ds[nt][0] = ds[nt][1] = ds[nt][2] = ds[nt][3] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      u32 a[4];
-      wm_a_rows(a, dOs, LD, m0, kk * 16, g, t);
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-        u32 b0, b1;
-        wm_b_rows(b0, b1, Vs, LD, nt * 8, kk * 16, g, t);
-        wm_mma<T>(ds[nt], a, b0, b1);
-      }
-    }
+    float ds[8][4];  // dP = dO V^T for the warp's rows
+    wm_rows_times_rows<T, D>(ds, dOs, Vs, m0, g, t);
     // P normalised (0 in padded rows), D_i = rowsum(P * dP), dS = P (dP - D_i)
     const float keep[2] = {m0 + g < N ? inv[0] : 0.f, m0 + g + 8 < N ? inv[1] : 0.f};
     float dot[2] = {0.f, 0.f};
@@ -733,6 +883,7 @@ __device__ __forceinline__ void mma_backward_body(
       dot[r] += __shfl_xor_sync(0xffffffffu, dot[r], 1);
       dot[r] += __shfl_xor_sync(0xffffffffu, dot[r], 2);
     }
+    u32 dsp[8][2];  // dS packed to 16-bit pairs, as the tile and the A operand take it
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
       const int col = nt * 8 + 2 * t;
@@ -744,24 +895,47 @@ __device__ __forceinline__ void mma_backward_body(
       const int r0 = m0 + g, r1 = r0 + 8;
       *reinterpret_cast<u32*>(Ps + r0 * WM_LDP + col) = wm_pack<T>(p[nt][0], p[nt][1]);
       *reinterpret_cast<u32*>(Ps + r1 * WM_LDP + col) = wm_pack<T>(p[nt][2], p[nt][3]);
-      *reinterpret_cast<u32*>(dSs + r0 * WM_LDP + col) = wm_pack<T>(ds[nt][0], ds[nt][1]);
-      *reinterpret_cast<u32*>(dSs + r1 * WM_LDP + col) = wm_pack<T>(ds[nt][2], ds[nt][3]);
+      if (ALIAS) {
+        dsp[nt][0] = wm_pack<T>(ds[nt][0], ds[nt][1]);
+        dsp[nt][1] = wm_pack<T>(ds[nt][2], ds[nt][3]);
+      }
+      if (!ALIAS) {
+        *reinterpret_cast<u32*>(dSs + r0 * WM_LDP + col) = wm_pack<T>(ds[nt][0], ds[nt][1]);
+        *reinterpret_cast<u32*>(dSs + r1 * WM_LDP + col) = wm_pack<T>(ds[nt][2], ds[nt][3]);
+      }
     }
-    {  // dQ = scale dS K, dS straight from registers
-      float acc[D / 8][4];
-      wm_regs_times<T, D>(acc, ds, Ks, LD, g, t);
-      wm_store<T, D>(dq + obh, acc, scale, scale, m0, N, g, t);
+    if (!ALIAS) {
+      {  // dQ = scale dS K, dS straight from registers
+        float acc[D / 8][4];
+        wm_regs_times<T, D>(acc, ds, Ks, LD, g, t);
+        wm_store<T, D>(dq + obh, xn, acc, scale, scale, m0, N, g, t);
+      }
+      __syncthreads();  // P and dS of every row are in shared memory
+    } else {
+      __syncthreads();  // P of every row is in shared memory (and every warp is done with V)
+      if (CP && nb < B_) wm_cp_tile<D>(Vs, v + (i64)nb * vb + (i64)h * vh, vn, N);
     }
-    __syncthreads();  // P and dS of every row are in shared memory
     {  // dV = P^T dO for key rows m0..
       float acc[D / 8][4];
-      wm_tile_t_times<T, D>(acc, Ps, dOs, LD, m0, g, t);
-      wm_store<T, D>(dv + obh, acc, 1.f, 1.f, m0, N, g, t);
+      wm_tile_t_times<T, D, LDM, ALIAS || LDM ? 1 : 4>(acc, Ps, dOs, LD, m0, g, t);
+      wm_store<T, D>(dv + obh, xn, acc, 1.f, 1.f, m0, N, g, t);
+    }
+    if (ALIAS) {
+      __syncthreads();  // every warp is done with P (and dO): dS takes its tile
+      if (CP && nb < B_) wm_cp_tile<D>(dOs, dout + (i64)nb * gb + (i64)h * gh, gn, N);
+      wm_put_rows(dSs, dsp, m0, g, t);
+      {  // dQ = scale dS K, dS straight from registers
+        float acc[D / 8][4];
+        wm_packed_times<T, D, LDM>(acc, dsp, Ks, LD, lane);
+        wm_store<T, D>(dq + obh, xn, acc, scale, scale, m0, N, g, t);
+      }
+      __syncthreads();  // dS of every row is in shared memory
+      if (CP && nb < B_) wm_cp_tile<D>(Ks, k + (i64)nb * kb + (i64)h * kh, kn, N);
     }
     {  // dK = scale dS^T Q
       float acc[D / 8][4];
-      wm_tile_t_times<T, D>(acc, dSs, Qs, LD, m0, g, t);
-      wm_store<T, D>(dk + obh, acc, scale, scale, m0, N, g, t);
+      wm_tile_t_times<T, D, LDM, ALIAS || LDM ? 1 : 4>(acc, dSs, Qs, LD, m0, g, t);
+      wm_store<T, D>(dk + obh, xn, acc, scale, scale, m0, N, g, t);
     }
   }
   if (g0 < B_) {
@@ -777,29 +951,64 @@ __device__ __forceinline__ void mma_backward_body(
   }
 }
 
-#define WM_FORWARD(NAME, T, D)                                                                   \
-  extern "C" __global__ void __launch_bounds__(WA_THREADS)                                       \
+// A variant of the forward (FWD_VARIANTS in ops/_window_attention_kernels.py). MINB: minimum
+// blocks per SM (0: no register cap); at D = 32 six blocks fit by shared memory, and 80
+// registers keep six resident.
+#define WM_FORWARD_V(NAME, T, D, MINB, LDM)                                                      \
+  extern "C" __global__ void __launch_bounds__(WA_THREADS, MINB)                                 \
       NAME(const T* q, const T* k, const T* v, const float* bias, const float* mask, T* out,     \
-           i64 qb, i64 qh, i64 qn, i64 kb, i64 kh, i64 kn, i64 vb, i64 vh, i64 vn, int B_,        \
-           int nH, int N, int nW, float scale) {                                                  \
-    mma_forward_body<T, D>(q, k, v, bias, mask, out, qb, qh, qn, kb, kh, kn, vb, vh, vn, B_, nH, \
-                           N, nW, scale);                                                        \
+           i64 qb, i64 qh, i64 qn, i64 kb, i64 kh, i64 kn, i64 vb, i64 vh, i64 vn, i64 ob, i64 oh, \
+           i64 on, int B_, int nH, int N, int nW, float scale) {                                  \
+    mma_forward_body<T, D, LDM>(q, k, v, bias, mask, out, qb, qh, qn, kb, kh, kn, vb, vh, vn, ob, oh, \
+                           on, B_, nH, N, nW, scale);                                            \
   }
 
-#define WM_BACKWARD(NAME, T, D)                                                                  \
-  extern "C" __global__ void __launch_bounds__(WA_THREADS)                                       \
+// A variant of the backward: its entry points, minimum blocks per SM (__launch_bounds__: caps
+// the registers at 65536 / (128 * MINB)), and the body's switches. The host declares each
+// variant once (BWD_VARIANTS in ops/_window_attention_kernels.py).
+#define WM_BACKWARD_V(NAME, T, D, MINB, LDM, ALIAS, CP)                                           \
+  extern "C" __global__ void __launch_bounds__(WA_THREADS, MINB > 1 ? MINB : 0)                  \
       NAME(const T* dout, const T* q, const T* k, const T* v, const float* bias,                 \
            const float* mask, T* dq, T* dk, T* dv, float* dbias, i64 qb, i64 qh, i64 qn, i64 kb,  \
-           i64 kh, i64 kn, i64 vb, i64 vh, i64 vn, int B_, int nH, int N, int nW, float scale) {  \
-    mma_backward_body<T, D>(dout, q, k, v, bias, mask, dq, dk, dv, dbias, qb, qh, qn, kb, kh, kn, \
-                            vb, vh, vn, B_, nH, N, nW, scale);                                   \
+           i64 kh, i64 kn, i64 vb, i64 vh, i64 vn, i64 gb, i64 gh, i64 gn, i64 xb, i64 xh, i64 xn, \
+           int B_, int nH, int N, int nW, float scale) {                                          \
+    mma_backward_body<T, D, LDM, ALIAS, CP>(dout, q, k, v, bias, mask, dq, dk, dv, dbias, qb, qh, \
+                                            qn, kb, kh, kn, vb, vh, vn, gb, gh, gn, xb, xh, xn,  \
+                                            B_, nH, N, nW, scale);                               \
   }
 
-WM_FORWARD(window_attention_mma_fwd_f16_d32, half_t, 32)
-WM_FORWARD(window_attention_mma_fwd_f16_d64, half_t, 64)
-WM_FORWARD(window_attention_mma_fwd_bf16_d32, bf16_t, 32)
-WM_FORWARD(window_attention_mma_fwd_bf16_d64, bf16_t, 64)
-WM_BACKWARD(window_attention_mma_bwd_f16_d32, half_t, 32)
-WM_BACKWARD(window_attention_mma_bwd_f16_d64, half_t, 64)
-WM_BACKWARD(window_attention_mma_bwd_bf16_d32, bf16_t, 32)
-WM_BACKWARD(window_attention_mma_bwd_bf16_d64, bf16_t, 64)
+// forward "base": 32/16-bit fragment reads
+WM_FORWARD_V(window_attention_mma_fwd_f16_d32, half_t, 32, 6, false)
+WM_FORWARD_V(window_attention_mma_fwd_f16_d64, half_t, 64, 0, false)
+WM_FORWARD_V(window_attention_mma_fwd_bf16_d32, bf16_t, 32, 6, false)
+WM_FORWARD_V(window_attention_mma_fwd_bf16_d64, bf16_t, 64, 0, false)
+// forward "ldm": V's fragments by ldmatrix.trans
+WM_FORWARD_V(window_attention_mma_fwd_ldm_f16_d32, half_t, 32, 5, true)
+WM_FORWARD_V(window_attention_mma_fwd_ldm_f16_d64, half_t, 64, 0, true)
+WM_FORWARD_V(window_attention_mma_fwd_ldm_bf16_d32, bf16_t, 32, 5, true)
+WM_FORWARD_V(window_attention_mma_fwd_ldm_bf16_d64, bf16_t, 64, 0, true)
+// "base": prefetch in registers, P and dS apart, 32/16-bit fragment reads
+WM_BACKWARD_V(window_attention_mma_bwd_f16_d32, half_t, 32, 1, false, false, false)
+WM_BACKWARD_V(window_attention_mma_bwd_f16_d64, half_t, 64, 1, false, false, false)
+WM_BACKWARD_V(window_attention_mma_bwd_bf16_d32, bf16_t, 32, 1, false, false, false)
+WM_BACKWARD_V(window_attention_mma_bwd_bf16_d64, bf16_t, 64, 1, false, false, false)
+// "ldm": base with ldmatrix fragments
+WM_BACKWARD_V(window_attention_mma_bwd_ldm_f16_d32, half_t, 32, 3, true, false, false)
+WM_BACKWARD_V(window_attention_mma_bwd_ldm_f16_d64, half_t, 64, 1, true, false, false)
+WM_BACKWARD_V(window_attention_mma_bwd_ldm_bf16_d32, bf16_t, 32, 3, true, false, false)
+WM_BACKWARD_V(window_attention_mma_bwd_ldm_bf16_d64, bf16_t, 64, 1, true, false, false)
+// "alias": P/dS one tile, no prefetch, four blocks per SM
+WM_BACKWARD_V(window_attention_mma_bwd_alias_f16_d32, half_t, 32, 4, false, true, false)
+WM_BACKWARD_V(window_attention_mma_bwd_alias_f16_d64, half_t, 64, 3, false, true, false)
+WM_BACKWARD_V(window_attention_mma_bwd_alias_bf16_d32, bf16_t, 32, 4, false, true, false)
+WM_BACKWARD_V(window_attention_mma_bwd_alias_bf16_d64, bf16_t, 64, 3, false, true, false)
+// "alias_ldm": alias with ldmatrix fragments
+WM_BACKWARD_V(window_attention_mma_bwd_alias_ldm_f16_d32, half_t, 32, 4, true, true, false)
+WM_BACKWARD_V(window_attention_mma_bwd_alias_ldm_f16_d64, half_t, 64, 3, true, true, false)
+WM_BACKWARD_V(window_attention_mma_bwd_alias_ldm_bf16_d32, bf16_t, 32, 4, true, true, false)
+WM_BACKWARD_V(window_attention_mma_bwd_alias_ldm_bf16_d64, bf16_t, 64, 3, true, true, false)
+// "alias_ldm_cp": alias_ldm with the tiles by cp.async, three of them during the window before
+WM_BACKWARD_V(window_attention_mma_bwd_alias_ldm_cp_f16_d32, half_t, 32, 4, true, true, true)
+WM_BACKWARD_V(window_attention_mma_bwd_alias_ldm_cp_f16_d64, half_t, 64, 3, true, true, true)
+WM_BACKWARD_V(window_attention_mma_bwd_alias_ldm_cp_bf16_d32, bf16_t, 32, 4, true, true, true)
+WM_BACKWARD_V(window_attention_mma_bwd_alias_ldm_cp_bf16_d64, bf16_t, 64, 3, true, true, true)

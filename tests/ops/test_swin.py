@@ -10,8 +10,11 @@ import torch
 from _numerics import rel_err as _rel
 from _window_literal import rel_index, swin_mask
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from aiak.ops import _window_attention_cuda as wac
 from aiak.ops import swin
+from aiak.ops import window_attention as wa
 
 
 class WindowAttention(nn.Module):
@@ -89,6 +92,76 @@ def test_convert_replaces_modules_and_keeps_state_dict():
     assert sum(isinstance(m, swin.FusedWindowAttention) for m in conv.modules()) == 2
     assert ref.state_dict().keys() == conv.state_dict().keys()
     assert all(hasattr(b, "_aiak_timm_attn") for b in conv.blocks)
+
+
+class _Copies(TorchDispatchMode):
+    """Counts the aten ops that copy a tensor's data."""
+
+    COPIES = ("clone", "copy_", "_to_copy", "contiguous", "stack", "cat")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.__name__.split(".")[0] in self.COPIES
+        return func(*args, **(kwargs or {}))
+
+
+def _copies_in_step(attn: nn.Module, x: torch.Tensor, mask: torch.Tensor) -> int:
+    attn.zero_grad(set_to_none=True)  # the same gradient accumulation each time
+    with _Copies() as copies:
+        attn(x, mask).square().sum().backward()
+    return copies.count
+
+
+def _heads_first(q, k, v, bias, mask, scale):
+    """The attention core in timm's layout: [B*nW, nH, N, D] out, transposed by the caller."""
+    return wa.window_attention(q, k, v, bias, mask, scale)
+
+
+def test_fused_attention_output_needs_no_layout_copy(monkeypatch):
+    # through the op (CPU): the [B*nW, N, nH, D] output makes the module's reshape a view; with
+    # the op's default layout the same module pays a transpose copy
+    ref, conv = _pair_models()
+    attn = conv.blocks[1].attn
+    x, mask = torch.randn(8, 49, 64), conv.blocks[1].attn_mask
+    fused = _copies_in_step(attn, x, mask)
+
+    def old_layout(qkv, heads, bias, mask, scale):
+        q, k, v = wa._split_qkv(qkv, heads)
+        return (
+            _heads_first(q, k, v, bias, mask, scale).transpose(1, 2).reshape(qkv.shape[0], 49, -1)
+        )
+
+    monkeypatch.setattr(swin, "window_attention_qkv", old_layout)
+    assert _copies_in_step(attn, x, mask) == fused + 1
+    monkeypatch.undo()
+    torch.testing.assert_close(attn(x, mask), ref.blocks[1].attn(x, mask), rtol=1e-4, atol=1e-5)
+
+
+def test_fused_attention_kernel_path_copies_nothing(recorder, monkeypatch):
+    # the kernels' path (launches recorded, CPU tensors): q, k, v read in place, the output in
+    # proj's layout, dq/dk/dv written into one gradient of qkv; the one copy left is autograd's
+    # of the bias table's transposed gradient (`relative_position_bias`), as without aiak
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(wac, "_sm_limits", lambda device: (228 * 1024, 65536))
+    monkeypatch.setattr(wac, "_PLANS", {})
+    monkeypatch.setattr(wac, "use_kernel", lambda *a, **k: True)
+    # the eager path even under the counting mode
+    monkeypatch.setattr(wac, "eager", lambda t: type(t) in (torch.Tensor, nn.Parameter))
+    _, conv = _pair_models()
+    attn, mask = conv.blocks[1].attn, conv.blocks[1].attn_mask
+    attn.qkv.half(), attn.proj.half()  # fp16 q/k/v, fp32 bias and mask: as under autocast
+    x = torch.randn(8, 49, 64).half()
+    packed = _copies_in_step(attn, x, mask)
+    assert packed == 1
+    launched = [launch["name"] for launch in recorder.launches]
+    assert launched == ["window_attention_mma_fwd_f16_d32", "window_attention_mma_bwd_f16_d32"]
+    # the unpacked path (the op's autograd of q, k, v views) stacks and copies back
+    monkeypatch.setattr(wac, "eager", lambda t: False)
+    assert _copies_in_step(attn, x, mask) >= packed + 2
 
 
 def test_convert_matches_original_forward_and_backward():

@@ -16,6 +16,7 @@ import pytest
 import torch
 from _numerics import rel_err as _rel
 from _window_literal import inputs, literal_attention, literal_partition, rel_index, swin_mask
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import aiak.ops  # noqa: F401
 from aiak.ops import _window_attention_cuda as wac
@@ -69,6 +70,92 @@ def test_backward_op_matches_autograd_of_literal():
     grads = torch.ops.aiak.window_attention_backward(dout, q, k, v, bias, mask, 0.4)
     for got, leaf in zip(grads, leaves):
         torch.testing.assert_close(got, leaf.grad)
+
+
+@pytest.mark.parametrize("nw", [None, 3])
+def test_tokens_first_is_the_transposed_output_with_the_same_gradients(nw):
+    # the [B_, N, nH, D] layout: the same numbers as the default layout transposed, forward and
+    # every gradient, the incoming gradient read through its strides
+    q, k, v, bias, mask = inputs(6, 2, 7, 4, nw)
+    dout = torch.randn(6, 7, 2, 4, dtype=torch.float64)
+    ref, ref_grads = _both_paths(
+        lambda *t: window_attention(*t, mask, 0.4).transpose(1, 2), (q, k, v, bias), dout
+    )
+    out, grads = _both_paths(
+        lambda *t: window_attention(*t, mask, 0.4, tokens_first=True), (q, k, v, bias), dout
+    )
+    assert out.shape == (6, 7, 2, 4) and out.is_contiguous()
+    assert torch.equal(out, ref)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    with pytest.raises(TypeError, match="tokens_first must be a bool"):
+        window_attention(q, k, v, bias, mask, 0.4, tokens_first="yes")
+
+
+def _qkv_case(dtype=torch.float64, device="cpu"):
+    qkv = torch.randn(6, 7, 3 * 2 * 4, dtype=dtype, device=device)
+    bias = torch.randn(2, 7, 7, dtype=torch.float64, device=device).to(dtype)
+    mask = torch.where(torch.rand(3, 7, 7, device=device) < 0.3, -100.0, 0.0).to(dtype)
+    return qkv, bias, mask, torch.randn(6, 7, 8, dtype=dtype, device=device)
+
+
+def _unpacked(qkv, bias, mask):
+    q, k, v = qkv.view(6, 7, 3, 2, 4).permute(2, 0, 3, 1, 4).unbind(0)
+    return window_attention(q, k, v, bias, mask, 0.4, tokens_first=True).reshape(6, 7, 8)
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_qkv_entry_is_the_op_on_views_of_qkv(eager, monkeypatch):
+    # window_attention_qkv against window_attention on timm's views of qkv: the same outputs and
+    # gradients, through the op (CPU) and through the eager path's Function (CPU tensors standing
+    # in for CUDA ones; the launchers run the reference and write the qkv gradient's views)
+    qkv, bias, mask, grad = _qkv_case()
+    want, want_grads = _both_paths(lambda *t: _unpacked(*t, mask), (qkv, bias), grad)
+    if eager:
+        monkeypatch.setattr(wac, "eager", wac.eager_on("cpu"))
+        calls = []
+        real = wa._EagerPackedAttention.apply
+        monkeypatch.setattr(
+            wa._EagerPackedAttention, "apply", lambda *a: calls.append(1) or real(*a)
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the CPU fallback's one-time warning
+        got, got_grads = _both_paths(
+            lambda *t: wa.window_attention_qkv(t[0], 2, t[1], mask, 0.4), (qkv, bias), grad
+        )
+    assert calls if eager else True
+    assert got.shape == (6, 7, 8) and torch.equal(got, want)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_qkv_entry_checks_its_arguments():
+    qkv, bias, mask, _ = _qkv_case(torch.float32)
+    with pytest.raises(TypeError, match="heads must be a positive int"):
+        wa.window_attention_qkv(qkv, 2.0, bias, mask)
+    with pytest.raises(ValueError, match="qkv must be"):
+        wa.window_attention_qkv(qkv, 5, bias, mask)
+    with pytest.raises(ValueError, match="qkv must be"):
+        wa.window_attention_qkv(qkv[0], 2, bias, mask)
+    with pytest.raises(TypeError, match="qkv must be a Tensor"):
+        wa.window_attention_qkv([qkv], 2, bias, mask)
+    with pytest.raises(ValueError, match="bias must be"):
+        wa.window_attention_qkv(qkv, 2, bias[:1], mask)
+
+
+def test_backward_op_reads_a_strided_grad():
+    q, k, v, bias, mask = inputs(4, 3, 5, 8, 2)
+    dout = torch.randn(4, 5, 3, 8, dtype=torch.float64)
+    strided = torch.ops.aiak.window_attention_backward(
+        dout.transpose(1, 2), q, k, v, bias, mask, 0.3
+    )
+    dense = torch.ops.aiak.window_attention_backward(
+        dout.transpose(1, 2).contiguous(), q, k, v, bias, mask, 0.3
+    )
+    for a, b in zip(strided, dense):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="grad has shape"):
+        torch.ops.aiak.window_attention_backward(dout, q, k, v, bias, mask, 0.3)
 
 
 def test_bias_gradient_in_fp32_with_half_inputs_under_autocast_dtypes():
@@ -164,6 +251,11 @@ def test_mma_shared_memory_fits_and_alignment_copies():
     # the kernels' layout (WM_* in the source): table + tiles (+ P and dS) within 227 KiB
     assert wac._mma_smem_bytes(32, backward=False) == 64 * 72 * 4 + 3 * 64 * 40 * 2
     assert wac._mma_smem_bytes(64, backward=True) == 64 * 72 * 4 + 4 * 64 * 72 * 2 + 64 * 72 * 4
+    # P and dS in one tile: four blocks fit in an H100 SM's 228 KiB at D = 32
+    assert (
+        wac._mma_smem_bytes(32, True, alias_ps=True) == 64 * 72 * 4 + 4 * 64 * 40 * 2 + 64 * 72 * 2
+    )
+    assert 228 * 1024 // (wac._mma_smem_bytes(32, True, alias_ps=True) + 1024) == 4
     assert max(wac._mma_smem_bytes(d, b) for d in (32, 64) for b in (False, True)) < 227 * 1024
     x = torch.randn(4, 3, 49, 3, 32, dtype=torch.float16).permute(3, 0, 1, 2, 4)[0]
     assert wac._mma_ready(x) is x  # timm's qkv view: aligned, 8-element strides, no copy
@@ -173,7 +265,7 @@ def test_mma_shared_memory_fits_and_alignment_copies():
     assert fixed.data_ptr() % 16 == 0
 
 
-@pytest.mark.parametrize("regs", [80, 168, 234])
+@pytest.mark.parametrize("regs", [80, 128, 168, 234])
 def test_mma_grid_keeps_one_mask_per_block(monkeypatch, regs):
     # the mma kernels fold mask[g % nW] into each block's table once: G must be a multiple of nW
     # (and at most B*nW); one wave when nW x nH blocks fit at all
@@ -190,6 +282,149 @@ def test_mma_grid_keeps_one_mask_per_block(monkeypatch, regs):
             assert g % nw == 0 and 0 < g <= windows
             if nw * heads <= per_sm * 132:
                 assert g * heads <= per_sm * 132
+
+
+class _Copies(TorchDispatchMode):
+    """Counts the aten ops that copy a tensor's data."""
+
+    COPIES = ("clone", "copy_", "_to_copy", "contiguous")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.__name__.split(".")[0] in self.COPIES
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def launches(recorder, monkeypatch):
+    """The launchers on CPU tensors with the launches recorded (tests/ops/conftest.py)."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(wac, "_sm_limits", lambda device: (228 * 1024, 65536))
+    monkeypatch.setattr(wac, "_PLANS", {})
+    monkeypatch.setattr(wac, "_CARVED", set())
+    monkeypatch.setattr(wac, "use_kernel", lambda *a, **k: True)
+    return recorder
+
+
+@pytest.mark.parametrize("kernel", wa.KERNEL_CHOICES)
+def test_layouts_reach_the_kernels_as_strides_without_copies(launches, kernel):
+    # timm's q/k/v views in, a [B_, N, nH, D] output, and proj's input gradient seen as
+    # [B_, nH, N, D] back in: the kernels get pointers and strides, nothing is copied
+    windows, heads, n, d = 4, 3, 49, 32
+    q, k, v = torch.randn(windows, n, 3, heads, d).half().permute(2, 0, 3, 1, 4).unbind(0)
+    bias = torch.randn(heads, n, n)
+    grad = torch.randn(windows, n, heads, d).half().transpose(1, 2)
+    for _ in range(2):  # the plan made, then the plan cached
+        with _Copies() as copies:
+            out = wac._attention_cuda_with(kernel, q, k, v, bias, None, 0.2, tokens_first=True)
+            wac._attention_backward_cuda_with(kernel, grad, q, k, v, bias, None, 0.2)
+        assert copies.count == 0
+    assert out.shape == (windows, n, heads, d) and out.is_contiguous()
+    fwd, bwd = (launch["args"] for launch in launches.launches[-2:])
+    assert fwd["out"] == out.data_ptr()
+    assert (fwd["ob"], fwd["oh"], fwd["on"]) == out.transpose(1, 2).stride()[:3]
+    assert (fwd["qb"], fwd["qh"], fwd["qn"]) == q.stride()[:3]
+    assert bwd["dout"] == grad.data_ptr()
+    assert (bwd["gb"], bwd["gh"], bwd["gn"]) == grad.stride()[:3]
+    out = wac._attention_cuda_with(kernel, q, k, v, bias, None, 0.2)
+    args = launches.launches[-1]["args"]
+    assert out.shape == q.shape and (args["ob"], args["oh"], args["on"]) == out.stride()[:3]
+
+
+@pytest.mark.parametrize("variant", list(wa.BWD_VARIANTS))
+def test_each_bwd_variant_launches_its_kernel_with_its_shared_memory(launches, variant):
+    q, k, v, dout = (torch.randn(8, 3, 49, 32).half() for _ in range(4))
+    bias, mask = torch.randn(3, 49, 49), torch.zeros(2, 49, 49)
+    wac._attention_backward_cuda_with("mma", dout, q, k, v, bias, mask, 0.3, variant)
+    (launch,) = launches.launches
+    infix = wa.BWD_VARIANTS[variant].infix
+    assert launch["name"] == f"window_attention_mma_bwd_{infix}f16_d32"
+    alias = wa.BWD_VARIANTS[variant].alias_ps
+    assert launch["dims"][6] == wac._mma_smem_bytes(32, True, alias)
+    assert launch["args"]["dout"] == dout.data_ptr()
+    with pytest.raises(ValueError, match="variant must be one of"):
+        wac._attention_backward_cuda_with("mma", dout, q, k, v, bias, mask, 0.3, "fast")
+
+
+@pytest.mark.parametrize("variant", list(wa.FWD_VARIANTS))
+def test_each_fwd_variant_launches_its_kernel(launches, variant):
+    q, k, v = (torch.randn(8, 3, 49, 32).half() for _ in range(3))
+    bias, mask = torch.randn(3, 49, 49), torch.zeros(2, 49, 49)
+    out = wac._attention_cuda_with("mma", q, k, v, bias, mask, 0.3, True, variant)
+    (launch,) = launches.launches
+    infix = wa.FWD_VARIANTS[variant]
+    assert launch["name"] == f"window_attention_mma_fwd_{infix}f16_d32"
+    assert launch["dims"][6] == wac._mma_smem_bytes(32, False)
+    assert launch["args"]["out"] == out.data_ptr()
+    with pytest.raises(ValueError, match="variant must be one of"):
+        wac._attention_cuda_with("mma", q, k, v, bias, mask, 0.3, True, "fast")
+
+
+def test_bwd_variants_are_declared_as_the_source_builds_them():
+    # each variant: one WM_BACKWARD_V line per dtype and head dim, its ALIAS switch the
+    # shared-memory layout the host sizes
+    import re
+
+    from aiak.ops import _cuda
+
+    lines = re.findall(
+        r"^WM_BACKWARD_V\((\w+), \w+, (\d+), (\d+), (true|false), (true|false), (true|false)\)",
+        _cuda.kernel_source("window_attention.cu"),
+        re.M,
+    )
+    built = {name: (int(d), alias == "true") for name, d, _, _, alias, _ in lines}
+    declared = {}
+    for variant in wa.BWD_VARIANTS.values():
+        for code in ("f16", "bf16"):
+            for d in (32, 64):
+                declared[f"window_attention_mma_bwd_{variant.infix}{code}_d{d}"] = (
+                    d,
+                    variant.alias_ps,
+                )
+    assert built == declared
+    assert wa.DEFAULT_BWD_VARIANT in wa.BWD_VARIANTS
+    forwards = re.findall(
+        r"^WM_FORWARD_V\((\w+), \w+, \d+, \d+, (?:true|false)\)",
+        _cuda.kernel_source("window_attention.cu"),
+        re.M,
+    )
+    assert sorted(forwards) == sorted(
+        f"window_attention_mma_fwd_{infix}{code}_d{d}"
+        for infix in wa.FWD_VARIANTS.values()
+        for code in ("f16", "bf16")
+        for d in (32, 64)
+    )
+    assert wa.DEFAULT_FWD_VARIANT in wa.FWD_VARIANTS
+
+
+@pytest.mark.parametrize(
+    ("read", "env", "variants", "default"),
+    [
+        (wa.bwd_variant, wa.BWD_VARIANT_ENV, wa.BWD_VARIANTS, wa.DEFAULT_BWD_VARIANT),
+        (wa.fwd_variant, wa.FWD_VARIANT_ENV, wa.FWD_VARIANTS, wa.DEFAULT_FWD_VARIANT),
+    ],
+)
+def test_variant_switch_is_read_once_and_checked(monkeypatch, read, env, variants, default):
+    first, last = list(variants)[-1], next(iter(variants))
+    read.cache_clear()
+    monkeypatch.setenv(env, first)
+    try:
+        assert read() == first
+        monkeypatch.setenv(env, last)
+        assert read() == first  # fixed for the process once read
+        read.cache_clear()
+        monkeypatch.setenv(env, "fastest")
+        with pytest.raises(ValueError, match=env):
+            read()
+        read.cache_clear()
+        monkeypatch.delenv(env)
+        assert read() == default
+    finally:
+        read.cache_clear()
 
 
 def test_cuda_entry_on_cpu_falls_back_with_one_warning():
@@ -214,20 +449,26 @@ def _opcheck_samples(device, dtype):
     strided = torch.randn(4, 7, 3, 2, 32, dtype=dtype, device=device).permute(2, 0, 3, 1, 4)
     qs, ks, vs = strided.unbind(0)
     return [
-        (q, k, v, bias, mask, 0.3),
-        (q, k, v, bias, None, 0.3),
-        (qs, ks, vs, bias, mask, 0.2),
+        (q, k, v, bias, mask, 0.3, False),
+        (q, k, v, bias, None, 0.3, True),
+        (qs, ks, vs, bias, mask, 0.2, True),
     ]
 
 
 def _opcheck_all(device, dtype):
-    for q, k, v, bias, mask, scale in _opcheck_samples(device, dtype):
+    for q, k, v, bias, mask, scale, tokens_first in _opcheck_samples(device, dtype):
         grads = [t.detach().clone().requires_grad_() for t in (q, k, v, bias)]
-        torch.library.opcheck(torch.ops.aiak.window_attention.default, (*grads, mask, scale))
+        torch.library.opcheck(
+            torch.ops.aiak.window_attention.default, (*grads, mask, scale, tokens_first)
+        )
         dout = torch.randn_like(q)
+        if tokens_first:  # the backward's grad as autograd hands it over: a transposed view
+            dout = dout.transpose(1, 2).contiguous().transpose(1, 2)
         torch.library.opcheck(
             torch.ops.aiak.window_attention_backward.default, (dout, q, k, v, bias, mask, scale)
         )
+    q, k, v, bias, mask, scale, _ = _opcheck_samples(device, dtype)[0]
+    torch.library.opcheck(torch.ops.aiak.window_attention.default, (q, k, v, bias, mask, scale))
     x = torch.randn(2, 14, 7, 6, dtype=dtype, device=device, requires_grad=True)
     torch.library.opcheck(torch.ops.aiak.roll_window_partition.default, (x, 7, 3))
     w = torch.randn(4, 49, 6, dtype=dtype, device=device, requires_grad=True)
@@ -243,6 +484,12 @@ def test_opcheck_cpu():
 # ------------------------------------------------------------------------------------------
 
 HALF_TOL = {torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
+# every kernel: (pair, mma forward variant, mma backward variant), each variant at least once
+KERNEL_VARIANTS = (
+    [("scalar", "base", "base")]
+    + [("mma", "base", v) for v in wa.BWD_VARIANTS]
+    + [("mma", f, "base") for f in wa.FWD_VARIANTS if f != "base"]
+)
 
 
 # every Swin-T stage (heads, windows per image, an odd batch) with and without the mask in fp16
@@ -267,22 +514,22 @@ KERNEL_CASES = [
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("kernel", wa.KERNEL_CHOICES)
+@pytest.mark.parametrize(("kernel", "fwd", "variant"), KERNEL_VARIANTS)
 @pytest.mark.parametrize(("windows", "heads", "n", "d", "nw", "dtype"), KERNEL_CASES)
-def test_kernel_matches_reference(kernel, windows, heads, n, d, nw, dtype):
+def test_kernel_matches_reference(kernel, fwd, variant, windows, heads, n, d, nw, dtype):
     dev = "cuda"
     q, k, v, bias, mask = inputs(windows, heads, n, d, nw, dtype=dtype, device=dev)
     bias = bias.float()
     scale = d**-0.5
     exact = literal_attention(q, k, v, bias, mask, scale) if windows * heads <= 64 else None
     ref = war._attention_reference(q, k, v, bias, mask, scale)
-    out = wac._attention_cuda_with(kernel, q, k, v, bias, mask, scale)
+    out = wac._attention_cuda_with(kernel, q, k, v, bias, mask, scale, variant=fwd)
     assert out.dtype == dtype and torch.isfinite(out).all()
     assert _rel(out, ref) < HALF_TOL[dtype]
     if exact is not None:
         assert _rel(out, exact) < HALF_TOL[dtype]
     dout = torch.randn_like(q)
-    got = wac._attention_backward_cuda_with(kernel, dout, q, k, v, bias, mask, scale)
+    got = wac._attention_backward_cuda_with(kernel, dout, q, k, v, bias, mask, scale, variant)
     want = war._attention_backward_reference(
         dout.double(), q.double(), k.double(), v.double(), bias.double(), mask, scale
     )
@@ -293,22 +540,131 @@ def test_kernel_matches_reference(kernel, windows, heads, n, d, nw, dtype):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("kernel", wa.KERNEL_CHOICES)
-def test_kernel_reads_unaligned_and_strided_views(kernel):
+@pytest.mark.parametrize(("kernel", "fwd", "variant"), KERNEL_VARIANTS)
+def test_kernel_reads_unaligned_and_strided_views(kernel, fwd, variant):
     # a 2-byte offset into the storage and odd strides: the mma path copies, scalar reads
     base = torch.randn(6 * 3 * 49 * 33 + 1, device="cuda", dtype=torch.float16)
     q = base[1:].view(6, 3, 49, 33)[..., :32]
     k, v = torch.randn(2, 6, 3, 49, 32, device="cuda", dtype=torch.float16).unbind(0)
     bias = torch.randn(3, 49, 49, device="cuda")
     mask = torch.where(torch.rand(2, 49, 49, device="cuda") < 0.3, -100.0, 0.0)
-    out = wac._attention_cuda_with(kernel, q, k, v, bias, mask, 0.2)
+    out = wac._attention_cuda_with(kernel, q, k, v, bias, mask, 0.2, variant=fwd)
     ref = war._attention_reference(q.contiguous(), k, v, bias, mask, 0.2)
     assert _rel(out, ref) < HALF_TOL[torch.float16]
     dout = torch.randn(6, 3, 49, 32, device="cuda", dtype=torch.float16)
-    got = wac._attention_backward_cuda_with(kernel, dout, q, k, v, bias, mask, 0.2)
+    got = wac._attention_backward_cuda_with(kernel, dout, q, k, v, bias, mask, 0.2, variant)
     want = war._attention_backward_reference(dout, q.contiguous(), k, v, bias, mask, 0.2)
     for g, w in zip(got, want):
         assert _rel(g, w) < 2 * HALF_TOL[torch.float16]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(("kernel", "fwd", "variant"), KERNEL_VARIANTS)
+def test_kernel_tokens_first_output_and_strided_grads(kernel, fwd, variant):
+    # the [B_, N, nH, D] output is the default one transposed, bit for bit; the backward reads
+    # a transposed grad in place (aligned) or through a copy (odd strides), same numbers
+    windows, heads, n, d = 16, 3, 49, 32
+    x = torch.randn(windows, n, 3, heads, d, device="cuda", dtype=torch.float16)
+    q, k, v = x.permute(2, 0, 3, 1, 4).unbind(0)
+    bias = torch.randn(heads, n, n, device="cuda")
+    mask = torch.where(torch.rand(4, n, n, device="cuda") < 0.3, -100.0, 0.0)
+    out = wac._attention_cuda_with(kernel, q, k, v, bias, mask, 0.2, variant=fwd)
+    out_t = wac._attention_cuda_with(kernel, q, k, v, bias, mask, 0.2, True, fwd)
+    assert out_t.shape == (windows, n, heads, d) and torch.equal(out_t, out.transpose(1, 2))
+    dense = torch.randn(windows, heads, n, d, device="cuda", dtype=torch.float16)
+    want = wac._attention_backward_cuda_with(kernel, dense, q, k, v, bias, mask, 0.2, variant)
+    odd = torch.empty(windows, n, heads, d + 1, device="cuda", dtype=torch.float16)[..., :d]
+    for grad in (dense.transpose(1, 2).contiguous().transpose(1, 2), odd.transpose(1, 2)):
+        grad.copy_(dense)
+        got = wac._attention_backward_cuda_with(kernel, grad, q, k, v, bias, mask, 0.2, variant)
+        for name, a, b in zip(("dq", "dk", "dv", "dbias"), got, want):
+            if name == "dbias":  # fp32 atomics: the order of the sums varies by run
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+            else:
+                assert torch.equal(a, b), name
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("variant", [v for v in wa.BWD_VARIANTS if v != "base"])
+@pytest.mark.parametrize(
+    ("windows", "heads", "n", "d", "nw", "dtype"),
+    [c for c in KERNEL_CASES if c[0] == 64 * 64 or c[2:4] in ((64, 64), (13, 32), (33, 32))],
+)
+def test_bwd_variants_compute_what_base_computes(variant, windows, heads, n, d, nw, dtype):
+    # the same products in the same order: dq, dk, dv bit for bit; the bias gradient's partial
+    # sums follow each variant's grid (fp32 atomics), so it matches to rounding
+    q, k, v, bias, mask = inputs(windows, heads, n, d, nw, dtype=dtype, device="cuda")
+    bias, dout, scale = bias.float(), torch.randn_like(q), d**-0.5
+    base = wac._attention_backward_cuda_with("mma", dout, q, k, v, bias, mask, scale, "base")
+    got = wac._attention_backward_cuda_with("mma", dout, q, k, v, bias, mask, scale, variant)
+    for name, a, b in zip(("dq", "dk", "dv"), got, base):
+        assert torch.equal(a, b), name
+    torch.testing.assert_close(got[3], base[3], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("variant", [v for v in wa.FWD_VARIANTS if v != "base"])
+@pytest.mark.parametrize(
+    ("windows", "heads", "n", "d", "nw", "dtype"),
+    [c for c in KERNEL_CASES if c[0] == 64 * 64 or c[2:4] in ((64, 64), (13, 32), (33, 32))],
+)
+def test_fwd_variants_compute_what_base_computes(variant, windows, heads, n, d, nw, dtype):
+    q, k, v, bias, mask = inputs(windows, heads, n, d, nw, dtype=dtype, device="cuda")
+    bias = bias.float()
+    for tokens_first in (False, True):
+        base = wac._attention_cuda_with("mma", q, k, v, bias, mask, 0.2, tokens_first, "base")
+        got = wac._attention_cuda_with("mma", q, k, v, bias, mask, 0.2, tokens_first, variant)
+        assert torch.equal(got, base)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(("kernel", "fwd", "variant"), KERNEL_VARIANTS)
+def test_backward_writes_the_gradient_of_packed_qkv(kernel, fwd, variant):
+    # dq, dk, dv written through the strides of one [B_, N, 3, nH, D] gradient: the values the
+    # backward returns when it allocates them, bit for bit
+    windows, heads, n, d = 64, 3, 49, 32
+    qkv = torch.randn(windows, n, 3 * heads * d, device="cuda", dtype=torch.float16)
+    q, k, v = wa._split_qkv(qkv, heads)
+    bias = torch.randn(heads, n, n, device="cuda")
+    mask = torch.where(torch.rand(4, n, n, device="cuda") < 0.3, -100.0, 0.0)
+    grad = torch.randn(windows, n, heads, d, device="cuda", dtype=torch.float16).transpose(1, 2)
+    want = wac._attention_backward_cuda_with(kernel, grad, q, k, v, bias, mask, 0.2, variant)
+    dqkv = torch.full_like(qkv, float("nan"))
+    out = wa._split_qkv(dqkv, heads)
+    got = wac._attention_backward_cuda_with(kernel, grad, q, k, v, bias, mask, 0.2, variant, out)
+    assert all(a is b for a, b in zip(got[:3], out))
+    assert torch.isfinite(dqkv).all()  # every element written
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert torch.equal(a, b), name
+    torch.testing.assert_close(got[3], want[3], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.cuda
+def test_qkv_entry_eager_and_op_paths_agree_on_cuda():
+    # the eager Function (gradients written into one dqkv) against the op's autograd (three
+    # gradients stacked by autograd): the same kernels, the same numbers
+    qkv = torch.randn(32, 49, 3 * 3 * 32, device="cuda", dtype=torch.float16)
+    bias = torch.randn(3, 49, 49, device="cuda")
+    mask = torch.where(torch.rand(4, 49, 49, device="cuda") < 0.3, -100.0, 0.0)
+    grad = torch.randn(32, 49, 96, device="cuda", dtype=torch.float16)
+    calls = []
+    real = wa._EagerPackedAttention.apply
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(wa._EagerPackedAttention, "apply", lambda *a: calls.append(1) or real(*a))
+        eager = _both_paths(
+            lambda *t: wa.window_attention_qkv(t[0], 3, t[1], mask), (qkv, bias), grad
+        )
+    assert calls, "the eager path did not run"
+
+    def op(qkv_, bias_):
+        q, k, v = wa._split_qkv(qkv_, 3)
+        out = wa.ATTENTION_OP.overload(q, k, v, bias_, mask, 32**-0.5, True)
+        return out.reshape(32, 49, 96)
+
+    ref = _both_paths(op, (qkv, bias), grad)
+    assert torch.equal(eager[0], ref[0])
+    assert torch.equal(eager[1][0], ref[1][0])  # dqkv: written in place vs stacked by autograd
+    torch.testing.assert_close(eager[1][1], ref[1][1], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.cuda
@@ -402,16 +758,22 @@ def _eager_vs_op(device, dtype, monkeypatch, exact_bias):
     calls = []
     real = wa._EagerAttention.apply
     monkeypatch.setattr(wa._EagerAttention, "apply", lambda *a: calls.append(1) or real(*a))
-    eager = _both_paths(lambda *t: window_attention(*t, mask, 0.2), (q, k, v, bias), dout)
-    assert calls, "the eager path did not run"
-    op = _both_paths(lambda *t: wa.ATTENTION_OP.overload(*t, mask, 0.2), (q, k, v, bias), dout)
-    assert torch.equal(eager[0], op[0])
-    for name, a, b in zip(("dq", "dk", "dv", "dbias"), eager[1], op[1]):
-        assert a.dtype == b.dtype, name
-        if name != "dbias" or exact_bias:
-            assert torch.equal(a, b), name
-        else:  # the kernel sums the bias gradient with fp32 atomics: order varies by run
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for tf in (False, True):
+        grad = dout.transpose(1, 2).contiguous() if tf else dout
+        eager = _both_paths(
+            lambda *t, tf=tf: window_attention(*t, mask, 0.2, tf), (q, k, v, bias), grad
+        )
+        assert calls, "the eager path did not run"
+        op = _both_paths(
+            lambda *t, tf=tf: wa.ATTENTION_OP.overload(*t, mask, 0.2, tf), (q, k, v, bias), grad
+        )
+        assert torch.equal(eager[0], op[0])
+        for name, a, b in zip(("dq", "dk", "dv", "dbias"), eager[1], op[1]):
+            assert a.dtype == b.dtype, name
+            if name != "dbias" or exact_bias:
+                assert torch.equal(a, b), name
+            else:  # the kernel sums the bias gradient with fp32 atomics: order varies by run
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     x = torch.randn(2, 14, 14, 6, device=device).to(dtype)
     gx = torch.randn(8, 49, 6, device=device).to(dtype)
     a = _both_paths(lambda t: roll_window_partition(t, 7, 3), (x,), gx)
@@ -441,14 +803,17 @@ def test_eager_path_is_skipped_under_tracing_and_for_cpu():
 def test_cached_plan_needs_the_same_metadata():
     # a plan is keyed on every input's shape, strides, dtype and device: anything else is a miss
     q, k, v, bias, mask = inputs(4, 2, 49, 32, 2, dtype=torch.float16)
-    key = wac._plan_key("mma", False, q, k, v, bias, mask)
-    assert key == wac._plan_key("mma", False, q.clone(), k, v, bias, mask)
+    x = ("base", False)
+    key = wac._plan_key("mma", False, q, k, v, bias, mask, x)
+    assert key == wac._plan_key("mma", False, q.clone(), k, v, bias, mask, x)
     for other in (
-        wac._plan_key("mma", True, q, k, v, bias, mask),
-        wac._plan_key("mma", False, q, k, v, bias, None),
-        wac._plan_key("mma", False, q, k.transpose(2, 3), v, bias, mask),
-        wac._plan_key("mma", False, q, k, v, bias.float(), mask),
-        wac._plan_key("scalar", False, q, k, v, bias, mask),
+        wac._plan_key("mma", True, q, k, v, bias, mask, ("base", q, None)),
+        wac._plan_key("mma", False, q, k, v, bias, None, x),
+        wac._plan_key("mma", False, q, k.transpose(2, 3), v, bias, mask, x),
+        wac._plan_key("mma", False, q, k, v, bias.float(), mask, x),
+        wac._plan_key("scalar", False, q, k, v, bias, mask, x),
+        wac._plan_key("mma", False, q, k, v, bias, mask, ("ldm", False)),
+        wac._plan_key("mma", False, q, k, v, bias, mask, ("base", True)),
     ):
         assert other != key
 
