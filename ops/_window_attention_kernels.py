@@ -65,7 +65,9 @@ BWD_VARIANTS = {
     "alias_ldm_cp": BwdVariant("alias_ldm_cp_", True, "alias_ldm, tiles by cp.async early"),
 }
 BWD_VARIANT_ENV = "AIAK_WINDOW_ATTENTION_BWD"
-DEFAULT_BWD_VARIANT = "base"
+# fastest on the H100 at Swin-T's stages 1-3 (fwd+bwd 1.27x / 1.30x / 1.07x base's, stage 4
+# equal; docs/window_attention.md), its gradients bit-identical to base's
+DEFAULT_BWD_VARIANT = "alias_ldm_cp"
 
 
 # The mma forward's variants (entry point infixes), selected by AIAK_WINDOW_ATTENTION_FWD (read

@@ -14,8 +14,10 @@ from _recorder import Recorder
 import aiak.ops  # noqa: F401 (declares every kernel)
 from aiak.ops import _cuda, _driver, _mta, fused_adam, fused_lamb, fused_sgd
 from aiak.ops import _window_attention_cuda as wac
+from aiak.ops import _window_attention_kernels as wak
 from aiak.ops import cast_scale as cs
 from aiak.ops import fcos3d as fcos3d_mod
+from aiak.ops import window_attention as wa
 from aiak.ops import window_partition as wp
 from aiak.ops._dgc_select_cuda import launch_select
 from aiak.ops._simota_cuda import launch_simota
@@ -134,7 +136,10 @@ def test_window_attention_launches(sites: Recorder, kernel: str) -> None:
     wac._attention_backward_cuda_with(kernel, dout, q, k, v, bias, mask, 1)
     fwd, bwd = sites.launches
     prefix = "window_attention_" + ("mma_" if kernel == "mma" else "")
-    assert fwd["name"] == prefix + "fwd_f16_d32" and bwd["name"] == prefix + "bwd_f16_d32"
+    # the mma backward: the default variant's entry point
+    infix = wa.BWD_VARIANTS[wa.DEFAULT_BWD_VARIANT].infix if kernel == "mma" else ""
+    assert fwd["name"] == prefix + "fwd_f16_d32"
+    assert bwd["name"] == prefix + f"bwd_{infix}f16_d32"
     for launch, scale in ((fwd, 0.17), (bwd, 1.0)):
         a = launch["args"]
         assert (a["B_"], a["nH"], a["N"], a["nW"]) == (windows, heads, n, nw)
@@ -143,7 +148,12 @@ def test_window_attention_launches(sites: Recorder, kernel: str) -> None:
         assert a["q"] == q.data_ptr() and a["mask"] == mask.data_ptr()
         assert a["scale"] == pytest.approx(scale, rel=1e-7)
         assert launch["dims"][1] == heads and launch["dims"][3:6] == (wac._THREADS, 1, 1)
-    assert bwd["args"]["dout"] == dout.data_ptr() and bwd["dims"][6] > 48 * 1024
+    assert bwd["args"]["dout"] == dout.data_ptr()
+    if kernel == "mma":  # the variant's own dynamic shared memory
+        alias = wa.BWD_VARIANTS[wa.DEFAULT_BWD_VARIANT].alias_ps
+        assert bwd["dims"][6] == wak._mma_smem_bytes(d, True, alias)
+    else:
+        assert bwd["dims"][6] > 48 * 1024
 
 
 def test_window_partition_and_merge_launches(sites: Recorder) -> None:

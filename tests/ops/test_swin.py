@@ -158,7 +158,11 @@ def test_fused_attention_kernel_path_copies_nothing(recorder, monkeypatch):
     packed = _copies_in_step(attn, x, mask)
     assert packed == 1
     launched = [launch["name"] for launch in recorder.launches]
-    assert launched == ["window_attention_mma_fwd_f16_d32", "window_attention_mma_bwd_f16_d32"]
+    bwd = wa.BWD_VARIANTS[wa.DEFAULT_BWD_VARIANT].infix  # the default backward variant
+    assert launched == [
+        "window_attention_mma_fwd_f16_d32",
+        f"window_attention_mma_bwd_{bwd}f16_d32",
+    ]
     # the unpacked path (the op's autograd of q, k, v views) stacks and copies back
     monkeypatch.setattr(wac, "eager", lambda t: False)
     assert _copies_in_step(attn, x, mask) >= packed + 2
