@@ -215,6 +215,7 @@ def check_nics(env: Mapping[str, str]) -> list[Check]:
 _OPS_CHOICES = {
     "AIAK_DISABLE_KERNELS": (("0", "1"), "aiak.ops"),
     "AIAK_NATIVE_HOST": (("0", "1"), "aiak.ops"),
+    "AIAK_DGC_GRAPHS": (("0", "1"), "aiak.comm dgc"),
 }
 TIMEOUTS = ("GLOO_TIMEOUT_SECONDS", "AIAK_NCCL_TIMEOUT_SECONDS")
 
@@ -225,6 +226,11 @@ def _ops_choices() -> dict[str, tuple[tuple[str, ...], str]]:
         from aiak.ops import _window_attention_cuda as wa
 
         choices[wa.KERNEL_ENV] = (tuple(wa.KERNEL_CHOICES), "aiak.ops window attention")
+        from aiak.ops import _window_attention_kernels as wak
+
+        for env, variants in ((wak.BWD_VARIANT_ENV, wak.BWD_VARIANTS),
+                              (wak.FWD_VARIANT_ENV, wak.FWD_VARIANTS)):  # fmt: skip
+            choices[env] = (tuple(variants), "aiak.ops window attention")
     except ImportError:
         pass
     return choices
