@@ -7,9 +7,10 @@ layout's tables (the segment plan of ``aiak::dgc_segments_select``, the dense po
 segment ids) are built once per layout and settings and kept on the device.
 
 On CUDA, with strided sampling (the default), a plan's selection is captured once as a CUDA
-graph and replayed: the op's fixed ~40 kernel launches cost the host ~3.8 ms per step on
-ResNet-50's 5 buckets (cProfile, H100 host: ~19 µs per launch through Python and the driver),
-one graph launch a few µs. Its inputs are the bucket's residual (fixed memory) and the plan's
+graph and replayed: one graph launch instead of the op's ~40 kernel launches (cProfile puts
+~19 µs of host time on each, ~3.8 ms a step on ResNet-50's 5 buckets; bench_dgc_hook.py on an
+H100 measured 1250 -> 1050 launches a step and 0.6 ms less host time, that toy's host being
+held by the launch queue). Its inputs are the bucket's residual (fixed memory) and the plan's
 table; the random starts go through a fixed device buffer. ``AIAK_DGC_GRAPHS=0`` keeps every
 call eager.
 """
