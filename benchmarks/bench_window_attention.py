@@ -153,16 +153,22 @@ def _variant_resources(
     return {"regs": regs, "smem_B": smem, "blocks_per_sm": per_sm, "grid": f"{blocks}x{heads}"}
 
 
+def _stage_inputs(batch, heads, nw, dtype, device="cuda"):
+    """A stage's module-path inputs: q, k, v as views of one qkv, bias, a 0 / -100 mask."""
+    windows = batch * nw
+    qkv = torch.randn(windows, N, 3, heads, D, device=device, dtype=dtype)
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    bias = torch.randn(heads, N, N, device=device)
+    mask = torch.where(torch.rand(nw, N, N, device=device) < 0.3, -100.0, 0.0)
+    return windows, q, k, v, bias, mask
+
+
 def _bwd_variant_rows(batches, dtype, rounds):
     """The mma backward's variants side by side (module path inputs, launcher calls)."""
     rows = []
     for batch in batches:
         for label, heads, nw in STAGES:
-            windows = batch * nw
-            qkv = torch.randn(windows, N, 3, heads, D, device="cuda", dtype=dtype)
-            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-            bias = torch.randn(heads, N, N, device="cuda")
-            mask = torch.where(torch.rand(nw, N, N, device="cuda") < 0.3, -100.0, 0.0)
+            windows, q, k, v, bias, mask = _stage_inputs(batch, heads, nw, dtype)
             grad = torch.randn(windows, N, heads, D, device="cuda", dtype=dtype).transpose(1, 2)
             scale = D**-0.5
 
@@ -201,11 +207,7 @@ def _fwd_variant_rows(batches, dtype, rounds):
     rows = []
     for batch in batches:
         for label, heads, nw in STAGES:
-            windows = batch * nw
-            qkv = torch.randn(windows, N, 3, heads, D, device="cuda", dtype=dtype)
-            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-            bias = torch.randn(heads, N, N, device="cuda")
-            mask = torch.where(torch.rand(nw, N, N, device="cuda") < 0.3, -100.0, 0.0)
+            windows, q, k, v, bias, mask = _stage_inputs(batch, heads, nw, dtype)
 
             def fwd(variant, q=q, k=k, v=v, bias=bias, mask=mask):
                 return wac._attention_cuda_with("mma", q, k, v, bias, mask, D**-0.5, True, variant)
