@@ -59,10 +59,9 @@ class BwdVariant:
 # deleting it is deleting both (and its row in docs/window_attention.md).
 BWD_VARIANTS = {
     "base": BwdVariant("", False, "next window prefetched in registers; P, dS in two tiles"),
-    "ldm": BwdVariant("ldm_", False, "base, transposed fragments by ldmatrix; 168 registers"),
-    "alias": BwdVariant("alias_", True, "P, dS in one tile, no prefetch; 128 registers"),
-    "alias_ldm": BwdVariant("alias_ldm_", True, "alias, transposed fragments by ldmatrix"),
-    "alias_ldm_cp": BwdVariant("alias_ldm_cp_", True, "alias_ldm, tiles by cp.async early"),
+    "alias_ldm_cp": BwdVariant(
+        "alias_ldm_cp_", True, "P, dS in one tile, ldmatrix fragments, tiles by cp.async early"
+    ),
 }
 BWD_VARIANT_ENV = "AIAK_WINDOW_ATTENTION_BWD"
 # fastest on the H100 at Swin-T's stages 1-3 (fwd+bwd 1.27x / 1.30x / 1.07x base's, stage 4

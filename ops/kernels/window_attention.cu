@@ -992,22 +992,8 @@ WM_BACKWARD_V(window_attention_mma_bwd_f16_d32, half_t, 32, 1, false, false, fal
 WM_BACKWARD_V(window_attention_mma_bwd_f16_d64, half_t, 64, 1, false, false, false)
 WM_BACKWARD_V(window_attention_mma_bwd_bf16_d32, bf16_t, 32, 1, false, false, false)
 WM_BACKWARD_V(window_attention_mma_bwd_bf16_d64, bf16_t, 64, 1, false, false, false)
-// "ldm": base with ldmatrix fragments
-WM_BACKWARD_V(window_attention_mma_bwd_ldm_f16_d32, half_t, 32, 3, true, false, false)
-WM_BACKWARD_V(window_attention_mma_bwd_ldm_f16_d64, half_t, 64, 1, true, false, false)
-WM_BACKWARD_V(window_attention_mma_bwd_ldm_bf16_d32, bf16_t, 32, 3, true, false, false)
-WM_BACKWARD_V(window_attention_mma_bwd_ldm_bf16_d64, bf16_t, 64, 1, true, false, false)
-// "alias": P/dS one tile, no prefetch, four blocks per SM
-WM_BACKWARD_V(window_attention_mma_bwd_alias_f16_d32, half_t, 32, 4, false, true, false)
-WM_BACKWARD_V(window_attention_mma_bwd_alias_f16_d64, half_t, 64, 3, false, true, false)
-WM_BACKWARD_V(window_attention_mma_bwd_alias_bf16_d32, bf16_t, 32, 4, false, true, false)
-WM_BACKWARD_V(window_attention_mma_bwd_alias_bf16_d64, bf16_t, 64, 3, false, true, false)
-// "alias_ldm": alias with ldmatrix fragments
-WM_BACKWARD_V(window_attention_mma_bwd_alias_ldm_f16_d32, half_t, 32, 4, true, true, false)
-WM_BACKWARD_V(window_attention_mma_bwd_alias_ldm_f16_d64, half_t, 64, 3, true, true, false)
-WM_BACKWARD_V(window_attention_mma_bwd_alias_ldm_bf16_d32, bf16_t, 32, 4, true, true, false)
-WM_BACKWARD_V(window_attention_mma_bwd_alias_ldm_bf16_d64, bf16_t, 64, 3, true, true, false)
-// "alias_ldm_cp": alias_ldm with the tiles by cp.async, three of them during the window before
+// "alias_ldm_cp": P/dS one tile, ldmatrix fragments, the tiles by cp.async, three of them
+// during the window before (LDM, ALIAS and CP on; base has them all off)
 WM_BACKWARD_V(window_attention_mma_bwd_alias_ldm_cp_f16_d32, half_t, 32, 4, true, true, true)
 WM_BACKWARD_V(window_attention_mma_bwd_alias_ldm_cp_f16_d64, half_t, 64, 3, true, true, true)
 WM_BACKWARD_V(window_attention_mma_bwd_alias_ldm_cp_bf16_d32, bf16_t, 32, 4, true, true, true)
