@@ -8,10 +8,8 @@ trivial loss, so a step is the backward's hooks. Rows, same gradients, same run:
 * ``dgc per-tensor``: the previous hook, a Python loop over each bucket's tensors with a dozen
   torch ops and one ``aiak::dgc_select`` per compressed tensor (kept here, and only here, as the
   baseline);
-* ``dgc per-bucket eager``: ``aiak.comm.dgc``, a fixed number of torch calls per bucket (one
-  ``aiak::dgc_segments_select`` for all its compressed tensors), with ``AIAK_DGC_GRAPHS=0``;
-* ``dgc per-bucket``: the same with its default, the selection replayed as a CUDA graph
-  (the same as eager on the CPU).
+* ``dgc per-bucket``: ``aiak.comm.dgc``, a fixed number of torch calls per bucket (one
+  ``aiak::dgc_segments_select`` for all its compressed tensors).
 
 Per row: host ms per step (the backward call's return, the GPU not waited for), step ms
 (synchronised), aten ops per step (a dispatch-mode count), CUDA kernel launches and GPU ms per
@@ -147,8 +145,7 @@ def measure(name: str, args, device: torch.device, shapes, weights) -> dict:
 
     model = Shapes(shapes).to(device)
     ddp = nn.parallel.DistributedDataParallel(model)  # DDP's default buckets (25 MB)
-    os.environ["AIAK_DGC_GRAPHS"] = "0" if name == "dgc per-bucket eager" else "1"
-    if name.startswith("dgc per-bucket"):
+    if name == "dgc per-bucket":
         comm.register(ddp, comm.dgc(compress_ratio=args.ratio))
     elif name == "dgc per-tensor":
         ddp.register_comm_hook(None, per_tensor_hook(args.ratio))
@@ -227,7 +224,7 @@ def main() -> int:
         shapes = resnet50_shapes(shrink)
         gen = torch.Generator().manual_seed(1)
         weights = [torch.randn(s, generator=gen).to(device) for s in shapes]
-        names = ["allreduce", "dgc per-tensor", "dgc per-bucket eager", "dgc per-bucket"]
+        names = ["allreduce", "dgc per-tensor", "dgc per-bucket"]
         rows = [measure(name, args, device, shapes, weights) for name in names]
     finally:
         from aiak import comm
@@ -247,9 +244,8 @@ def main() -> int:
             for c in cols[1:]
         ]
         print("  ".join(f"{c:>15}" for c in cells))
-    ar, pt, pe, pb = (by[n]["host_ms"] for n in names)
+    ar, pt, pb = (by[n]["host_ms"] for n in names)
     print(f"host ms per step, per-tensor / per-bucket: {pt / pb:.2f}x")
-    print(f"host ms per step, per-bucket eager / graphed: {pe / pb:.2f}x")
     print(f"host ms per step, per-bucket / allreduce: {pb / ar:.2f}x")
     if args.json:
         args.json.write_text(json.dumps(rows))

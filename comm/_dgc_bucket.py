@@ -5,20 +5,11 @@ dump slot at the end where padded indices land, so clipping, momentum correction
 masking are a fixed number of torch calls per bucket whatever its number of tensors. The
 layout's tables (the segment plan of ``aiak::dgc_segments_select``, the dense positions, the
 segment ids) are built once per layout and settings and kept on the device.
-
-On CUDA, with strided sampling (the default), a plan's selection is captured once as a CUDA
-graph and replayed: one graph launch instead of the op's ~40 kernel launches (cProfile puts
-~19 µs of host time on each, ~3.8 ms a step on ResNet-50's 5 buckets; bench_dgc_hook.py on an
-H100 measured 1250 -> 1050 launches a step and 0.6 ms less host time, that toy's host being
-held by the launch queue). Its inputs are the bucket's residual (fixed memory) and the plan's
-table; the random starts go through a fixed device buffer. ``AIAK_DGC_GRAPHS=0`` keeps every
-call eager.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -45,42 +36,10 @@ def signature(buf: torch.Tensor, params: list) -> tuple:
     return (buf.numel(), buf.dtype, buf.device, tuple(map(id, params)))
 
 
-def graphs_enabled() -> bool:
-    """Whether CUDA selections may be captured as graphs (``AIAK_DGC_GRAPHS``, default on)."""
-    return os.environ.get("AIAK_DGC_GRAPHS", "1") != "0"
-
-
-class _Graph:
-    """A plan's selection captured as a CUDA graph: its fixed inputs' key, the device buffer of
-    the random starts and the outputs every replay rewrites."""
-
-    __slots__ = ("graph", "idx", "key", "start", "vals")
-
-    def __init__(self, select: Callable[..., Any], x: torch.Tensor, table: torch.Tensor,
-                 start: torch.Tensor, args: tuple, key: tuple) -> None:  # fmt: skip
-        self.key, self.start = key, start.to(x.device)
-        self.graph = torch.cuda.CUDAGraph()
-        # thread_local: other threads' CUDA calls (NCCL's watchdog, the training thread) go on
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-            self.vals, self.idx = select(x, table, self.start, None, *args)
-
-
 class _Plan:
     """One bucket layout's tables for one ratio (built once, kept on the device)."""
 
-    __slots__ = (
-        "dpos",
-        "eager",
-        "graph",
-        "kind",
-        "n_rep",
-        "segments",
-        "start_rep",
-        "strides",
-        "table",
-        "warm",
-        "zeros",
-    )
+    __slots__ = ("dpos", "kind", "n_rep", "segments", "start_rep", "strides", "table", "zeros")
 
     def __init__(self, mem: BucketMemory, ratio: float, state: DGCState) -> None:
         big = [(off, n) for off, n, b in mem.tensors if b and ratio < 1.0]
@@ -90,9 +49,6 @@ class _Plan:
         # "all": the whole buffer goes densely; "some": the positions ``dpos``; "none"
         self.kind = "all" if not big else "some" if dense else "none"
         self.dpos = self.table = self.strides = self.n_rep = self.start_rep = self.zeros = None
-        self.graph: _Graph | None = None
-        self.warm: tuple | None = None  # the inputs of the last eager call (capture follows it)
-        self.eager = False  # a capture failed: this plan stays eager
         if self.kind == "some":
             pos = [torch.arange(off, off + n, dtype=torch.int64) for off, n in dense]
             self.dpos = torch.cat(pos).to(dev)
@@ -114,52 +70,13 @@ class _Plan:
     def samples(
         self, gen: torch.Generator, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """This step's random starts (strided: on the host, the selection moves them) or
-        positions (uniform: on ``device``): one generator call."""
+        """This step's random starts (strided) or positions (uniform): one generator call."""
         if self.strides is not None:
             u = torch.rand(self.segments, generator=gen, dtype=torch.float64)
-            return u.mul_(self.strides).long(), None
+            return u.mul_(self.strides).long().to(device, non_blocking=True), None
         u = torch.rand(self.n_rep.numel(), generator=gen, dtype=torch.float64)
         pos = u.mul_(self.n_rep).long().add_(self.start_rep)
         return self.zeros, pos.to(device, non_blocking=True)
-
-    def select(
-        self, x: torch.Tensor, start: torch.Tensor, where: torch.Tensor | None, state: DGCState
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``aiak::dgc_segments_select`` of ``x`` under this plan: eager, or on CUDA with
-        strided samples the replay of a graph captured at the second call with the same
-        inputs (the first one, eager, warms the op's host caches). A replay's outputs are
-        rewritten by the next replay: the caller consumes them on its stream before that."""
-        _, select = _segments()
-        args = (
-            state.compress_upper_bound,
-            state.compress_lower_bound,
-            state.max_adaptation_iters,
-            state.resample,
-        )
-        if where is not None or not x.is_cuda or self.eager or not graphs_enabled():
-            start = start.to(x.device, non_blocking=True)
-            return select(x, self.table, start, where, *args)
-        key = (x.data_ptr(), x.numel(), x.device, args)
-        g = self.graph
-        if g is None or g.key != key:
-            if self.warm != key:
-                self.warm = key
-                return select(x, self.table, start.to(x.device, non_blocking=True), None, *args)
-            try:
-                g = self.graph = _Graph(select, x, self.table, start, args, key)
-            except RuntimeError as exc:
-                self.eager, self.graph = True, None
-                warnings.warn(
-                    f"aiak.comm.dgc: the selection could not be captured as a CUDA graph and "
-                    f"runs eagerly (a host cost of ~40 launches per bucket): {exc}",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-                return select(x, self.table, start.to(x.device, non_blocking=True), None, *args)
-        g.start.copy_(start, non_blocking=True)
-        g.graph.replay()
-        return g.vals, g.idx
 
 
 class BucketMemory:
@@ -287,7 +204,11 @@ class BucketMemory:
         if plan.dpos is not None:
             vec.index_fill_(0, plan.dpos, 0.0)  # dense tensors keep no residual
         start, where = plan.samples(gen, buf.device)
-        vals, idx = plan.select(self.vec, start, where, state)
+        _, select = _segments()
+        vals, idx = select(
+            self.vec, plan.table, start, where, state.compress_upper_bound,
+            state.compress_lower_bound, state.max_adaptation_iters, state.resample,
+        )  # fmt: skip
         idx = torch.where(idx < 0, length, idx)
         self.vec.index_fill_(0, idx, 0.0)  # the dump slot stays 0
         if state.momentum_masking:

@@ -215,7 +215,6 @@ def check_nics(env: Mapping[str, str]) -> list[Check]:
 _OPS_CHOICES = {
     "AIAK_DISABLE_KERNELS": (("0", "1"), "aiak.ops"),
     "AIAK_NATIVE_HOST": (("0", "1"), "aiak.ops"),
-    "AIAK_DGC_GRAPHS": (("0", "1"), "aiak.comm dgc"),
 }
 TIMEOUTS = ("GLOO_TIMEOUT_SECONDS", "AIAK_NCCL_TIMEOUT_SECONDS")
 
