@@ -10,6 +10,9 @@ trains as it would without them. Per model it measures, on every rank:
 * the step time (synchronised; a step ends when the slowest rank ends);
 * the optimizer's step alone (``opt_ms``, synchronised; not where the overlap steps it inside
   the backward);
+* the host time of the ``backward()`` call (``bwd_host_ms``: autograd's launches and the hooks'
+  host work), and of the same call in the step with no exchange (``local_bwd_host_ms``): when
+  the backward's host time is the step's time, the hooks' host work is what a mode adds;
 * the bytes sent per step per stage, from the registered hook's counters (``ddp._aiak_hook``,
   read here only for the report), and the bytes that left this node's link device.
 
@@ -100,9 +103,14 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device) -> dict
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
+    marks: list[float] = []  # host clock after the forward and after the backward's return
+
     def step() -> None:
         opt.zero_grad(set_to_none=False)
-        loss_of(name, ddp(x), y).backward()
+        loss = loss_of(name, ddp(x), y)
+        marks.append(time.perf_counter())
+        loss.backward()
+        marks.append(time.perf_counter())
         opt.step()
 
     for _ in range(args.warmup):  # DDP rebuilds its buckets; compressors start at step 2
@@ -123,15 +131,19 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device) -> dict
     dist.barrier()
     sent0 = hook.state.bytes_sent() if hook is not None else None
 
-    def timed(fn) -> list[float]:
-        """ms of ``args.steps`` synchronised calls of ``fn``."""
+    def timed(fn, phases: list[float] | None = None) -> list[float]:
+        """ms of ``args.steps`` synchronised calls of ``fn``; a training step's backward host
+        time (the ``backward()`` call: the hooks' host work included) goes to ``phases``."""
         out = []
         for _ in range(args.steps):
             sync()
+            marks.clear()
             t = time.perf_counter()
             fn()
             sync()
             out.append((time.perf_counter() - t) * 1e3)
+            if phases is not None and len(marks) == 2:
+                phases.append((marks[1] - marks[0]) * 1e3)
         return out
 
     def local_step() -> None:
@@ -139,16 +151,19 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device) -> dict
             step()
 
     tx0 = link_bytes(args.link_dev)
-    times = timed(step)
+    bwd_host: list[float] = []
+    times = timed(step, bwd_host)
     tx1 = link_bytes(args.link_dev)
     sent1 = hook.state.bytes_sent() if hook is not None else None
-    opt_ms = local_ms = -1.0
+    opt_ms = local_ms = local_bwd = -1.0
     # Not for the overlap, whose optimizer step runs inside the exchange: the optimizer step
     # alone, and the same training step with no exchange at all (DDP's no_sync: no hook, no
     # allreduce), the floor under every mode's step (flat / local_ms bounds any mode's gain).
     if os.environ.get("AIAK_OVERLAP_BACKWARD_AND_STEP", "0") != "1":
         opt_ms = statistics.median(timed(opt.step))
-        local_ms = statistics.median(timed(local_step))
+        local_phases: list[float] = []
+        local_ms = statistics.median(timed(local_step, local_phases))
+        local_bwd = statistics.median(local_phases)
     per_rank = torch.tensor(
         [
             (sent1["intra_total"] - sent0["intra_total"]) / args.steps if hook else -1.0,
@@ -156,6 +171,8 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device) -> dict
             (tx1 - tx0) / args.steps,
             opt_ms,
             local_ms,
+            statistics.median(bwd_host),
+            local_bwd,
         ],
         dtype=torch.float64,
         device=device,
@@ -182,6 +199,8 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device) -> dict
         "link_tx_per_step": node_heads[:, 2].sum().item(),
         "opt_ms": rows[:, 3].max().item() if rows[0, 3] >= 0 else None,
         "local_ms": rows[:, 4].max().item() if rows[0, 4] >= 0 else None,
+        "bwd_host_ms": rows[:, 5].max().item(),
+        "local_bwd_host_ms": rows[:, 6].max().item() if rows[0, 6] >= 0 else None,
     }
 
 

@@ -6,6 +6,8 @@ PowerSGD rank 1 and 4, DGC 0.001, downsampling n=4, and the backward/step overla
 report's ``opt_ms`` is the base mode's optimizer step alone and ``opt_hidden`` the share of it
 that the overlap removes from the step. ``local_ms`` is the same training step with no exchange
 (``ddp.no_sync()``): the floor under every mode, so ``flat / local_ms`` bounds any mode's gain.
+``bwd_host_ms`` / ``local_bwd_host_ms``: the host time of the ``backward()`` call in the step
+and in the no-exchange step (the hooks' host work is the difference).
 ``--per-node 1`` runs 2 nodes x 1 GPU.
 ``--advise MODEL`` runs only ``aiak-advise --verify`` on that model's plain DDP job over the
 two nodes (its report printed, and kept beside ``--json``).
@@ -95,6 +97,8 @@ FIELDS = [
     "mode",
     "step_ms",
     "local_ms",
+    "bwd_host_ms",
+    "local_bwd_host_ms",
     "vs_flat",
     "rel_err",
     "tol",

@@ -4,11 +4,12 @@
 
 ResNet-50's 161 parameter shapes in DDP's default buckets (``benchmarks/bench_dgc_hook.py``'s
 set-up), a trivial loss: a step is the backward's hooks. Prints the host time of the backward
-with the plain allreduce and with the DGC hook, then one profiled DGC step's host-side events
-sorted by self CPU time (``--top``), then per hook: cudaMalloc calls of the caching allocator
-over the timed steps (``num_device_alloc``), host syncs torch reports in one step
-(``set_sync_debug_mode``), and the Python functions with the most host time over 5 steps
-(cProfile, ``--top``). Needs a GPU.
+with the plain allreduce and with the DGC hook, then per hook: cudaMalloc calls of the caching
+allocator over the timed steps (``num_device_alloc``), host syncs torch reports in one step
+(``set_sync_debug_mode``), the Python functions with the most host time over 5 steps
+(cProfile, ``--top``), one profiled step's kernels by GPU time and (DGC) its host-side events by
+self CPU time; last, whether a small non-blocking copy to the GPU waits for the stream, from
+pageable and from page-locked memory (:func:`h2d_probe`). Needs a GPU.
 """
 
 from __future__ import annotations
@@ -89,20 +90,48 @@ def main() -> None:
             text = io.StringIO()
             pstats.Stats(prof_py, stream=text).sort_stats("tottime").print_stats(a.top)
             print(f"{name}: cProfile, 5 steps, by own time\n{text.getvalue()}")
-            if name != "dgc":
-                continue
             acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
             with torch.profiler.profile(activities=acts) as prof:
                 step()
                 torch.cuda.synchronize()
             ev = prof.key_averages()
-            print(
-                ev.table(sort_by="self_cpu_time_total", row_limit=a.top, max_name_column_width=56)
-            )
+            print(f"{name}: one step's kernels by GPU time")
+            by_gpu = ev.table(sort_by="self_device_time_total", row_limit=15)
+            print(by_gpu)
+            if name == "dgc":
+                print(
+                    ev.table(
+                        sort_by="self_cpu_time_total", row_limit=a.top, max_name_column_width=56
+                    )
+                )
+        h2d_probe(dev)
     finally:
         comm.shutdown()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def h2d_probe(dev: torch.device) -> None:
+    """Host ms of a 40-element int64 copy to the GPU, ``non_blocking=True``, from pageable and
+    from page-locked memory, issued behind tens of ms of queued GPU work (``torch.cuda._sleep``):
+    a copy that waits for the stream returns after that work, one that is queued returns at
+    once. DGC's per-bucket sample starts are such a copy."""
+    small = torch.arange(40, dtype=torch.int64)
+    for label, src in (("pageable", small), ("pinned", small.pin_memory())):
+        got = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            torch.cuda._sleep(100_000_000)
+            t = time.perf_counter()
+            src.to(dev, non_blocking=True)
+            got.append((time.perf_counter() - t) * 1e3)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        torch.cuda._sleep(100_000_000)
+        torch.cuda.synchronize()
+        queued = (time.perf_counter() - t) * 1e3
+        ms = ", ".join(f"{v:.3f}" for v in sorted(got))
+        print(f"h2d probe, {label}: host ms per copy [{ms}] behind {queued:.1f} ms of work")
 
 
 if __name__ == "__main__":

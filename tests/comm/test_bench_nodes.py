@@ -38,6 +38,9 @@ def test_nodes_bench_runs_every_kind_of_mode_on_cpu(tmp_path):
     flat, fp16, dgc = rows["flat"], rows["hierarchical+fp16"], rows["dgc-0.001"]
     assert flat["rel_err"] <= 1e-5 and flat["check"] == "ok" and fp16["check"] == "ok"
     assert all(r["local_ms"] > 0 for r in rows.values())  # the no-exchange floor is timed
+    # the backward call's host time is part of its step, in both steps
+    assert all(0 < r["bwd_host_ms"] <= r["step_ms"] for r in rows.values())
+    assert all(0 < r["local_bwd_host_ms"] <= r["local_ms"] for r in rows.values())
     grads = flat["grad_bytes"]  # 3 x Linear(64, 64): 49,920 B
     # 2 nodes x 1 rank: the ring sends S per rank; the link carries that plus TCP framing
     assert flat["inter_bytes_per_step"] == 2 * grads and flat["intra_bytes_per_step"] == 0
