@@ -87,6 +87,26 @@ def link_bytes(dev: str | None) -> int:
     return int(Path(f"/sys/class/net/{dev}/statistics/tx_bytes").read_text())
 
 
+def trace_steps(step, sync, path: str) -> None:
+    """Two more training steps under torch's profiler, host and GPU, each step inside a
+    ``step`` range; rank 0 writes the chrome trace to ``path`` (the other ranks run the same
+    steps unprofiled, so every collective has its peers)."""
+    if dist.get_rank() != 0:
+        for _ in range(2):
+            step()
+            sync()
+        return
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(2):
+            with torch.profiler.record_function("step"):
+                step()
+                sync()
+    prof.export_chrome_trace(path)
+
+
 def run_model(name: str, args: argparse.Namespace, device: torch.device) -> dict | None:
     model, x, y, batch = build(name, device)
     ddp = nn.parallel.DistributedDataParallel(model)
@@ -156,6 +176,8 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device) -> dict
     tx1 = link_bytes(args.link_dev)
     sent1 = hook.state.bytes_sent() if hook is not None else None
     opt_ms = local_ms = local_bwd = -1.0
+    if args.trace:
+        trace_steps(step, sync, f"{args.trace}_{name}_rank{dist.get_rank()}.json.gz")
     # Not for the overlap, whose optimizer step runs inside the exchange: the optimizer step
     # alone, and the same training step with no exchange at all (DDP's no_sync: no hook, no
     # allreduce), the floor under every mode's step (flat / local_ms bounds any mode's gain).
@@ -216,6 +238,7 @@ def main() -> None:
         help="this node's link device (its tx counter); default: the socket interface",
     )
     p.add_argument("--out", required=True)
+    p.add_argument("--trace", default="", help="rank 0 writes <trace>_<model>_rank0.json.gz")
     args = p.parse_args()
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))

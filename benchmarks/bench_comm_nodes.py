@@ -67,6 +67,10 @@ MODES: dict[str, list[str]] = {
     "powersgd-r1": ["--powersgd", "--powersgd-rank", "1", "--start-compress-iter", "2"],
     "powersgd-r4": ["--powersgd", "--powersgd-rank", "4", "--start-compress-iter", "2"],
     "dgc-0.001": ["--dgc", "--compress-ratio", "0.001"],
+    "flat-bucket128": ["--comm-log-steps", "1000000", "--allreduce-fusion", "128"],
+    # DGC with DDP's buckets at 128 MiB (ResNet-50's gradients in one): a collective per bucket
+    # costs latency on the socket transport whatever its bytes
+    "dgc-0.001-bucket128": ["--dgc", "--compress-ratio", "0.001", "--allreduce-fusion", "128"],
     "downsample-4": [],  # PERSEUS_DOWNSAMPLE_N_ELEMENTS=4 (MODE_ENV): aiakrun has no flag for it
     "fused-sgd": ["--comm-log-steps", "1000000"],  # the overlap's baseline: flat, FusedSGD
     "overlap": ["--overlap-backward-and-step"],
@@ -168,6 +172,9 @@ def run_mode(args, mode: str, shell: str, tmp: Path, port: int) -> list[dict]:
     argv += ["--rdzv-timeout", "120", *MODES[mode], "--", sys.executable, str(WORKER)]
     argv += ["--models", args.models, "--steps", str(args.steps), "--out", str(out)]
     argv += ["--warmup", str(args.warmup), "--optimizer", MODE_OPTIMIZER.get(mode, "sgd")]
+    if args.trace:
+        Path(args.trace).mkdir(parents=True, exist_ok=True)
+        argv += ["--trace", str(Path(args.trace) / mode.replace(" ", "_"))]
     env = job_env(port)
     env.update(MODE_ENV.get(mode, {}))
     log = tmp / f"{mode}.log"
@@ -310,6 +317,12 @@ def main() -> int:
     p.add_argument("--csv", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--json", default="", help="also write the rows to this file")
     p.add_argument("--replot", action="store_true", help="plot the CSV's latest run, no runs")
+    p.add_argument(
+        "--trace",
+        default="",
+        help="folder: rank 0 profiles two more steps per model and mode, a chrome trace each "
+        "(research/comm_trace_summary.py reads them)",
+    )
     p.add_argument(
         "--advise", default="", help="run aiak-advise --verify on this model's plain DDP job, only"
     )

@@ -73,21 +73,10 @@ class _Plan:
         """This step's random starts (strided) or positions (uniform): one generator call."""
         if self.strides is not None:
             u = torch.rand(self.segments, generator=gen, dtype=torch.float64)
-            return _to_device(u.mul_(self.strides).long(), device), None
+            return u.mul_(self.strides).long().to(device, non_blocking=True), None
         u = torch.rand(self.n_rep.numel(), generator=gen, dtype=torch.float64)
         pos = u.mul_(self.n_rep).long().add_(self.start_rep)
-        return self.zeros, _to_device(pos, device)
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` (CPU) on ``device`` without waiting for the stream's queued work: a copy from
-    pageable memory may wait for the stream before it stages the bytes, which inside the
-    backward stalls the host until the GPU has drained every kernel queued before the bucket's
-    hook. From page-locked memory the copy is queued like a kernel; torch's caching host
-    allocator keeps the block until the copy has run."""
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+        return self.zeros, pos.to(device, non_blocking=True)
 
 
 class BucketMemory:

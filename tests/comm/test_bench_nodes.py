@@ -7,6 +7,7 @@ Needs root and iproute2 (``ip netns``); skipped, with the reason, elsewhere.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import shutil
@@ -28,7 +29,7 @@ def test_nodes_bench_runs_every_kind_of_mode_on_cpu(tmp_path):
     out = tmp_path / "rows.json"
     argv = [sys.executable, str(ROOT / "benchmarks" / "bench_comm_nodes.py"), "--per-node", "1"]
     argv += ["--models", "tiny", "--modes", "flat,hierarchical+fp16,dgc-0.001", "--steps", "4"]
-    argv += ["--no-csv", "--json", str(out), "--limit", "150"]
+    argv += ["--no-csv", "--json", str(out), "--limit", "150", "--trace", str(tmp_path / "tr")]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AIAK_", "PERSEUS_"))}
     env["CUDA_VISIBLE_DEVICES"] = ""  # gloo ranks on CPU even where a GPU exists
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
@@ -41,6 +42,10 @@ def test_nodes_bench_runs_every_kind_of_mode_on_cpu(tmp_path):
     # the backward call's host time is part of its step, in both steps
     assert all(0 < r["bwd_host_ms"] <= r["step_ms"] for r in rows.values())
     assert all(0 < r["local_bwd_host_ms"] <= r["local_ms"] for r in rows.values())
+    for mode in rows:  # rank 0's trace of two more steps, each in a "step" range
+        with gzip.open(tmp_path / "tr" / f"{mode}_tiny_rank0.json.gz", "rt") as f:
+            names = [e.get("name") for e in json.load(f)["traceEvents"]]
+        assert names.count("step") >= 2
     grads = flat["grad_bytes"]  # 3 x Linear(64, 64): 49,920 B
     # 2 nodes x 1 rank: the ring sends S per rank; the link carries that plus TCP framing
     assert flat["inter_bytes_per_step"] == 2 * grads and flat["intra_bytes_per_step"] == 0
