@@ -15,9 +15,9 @@ import torch
 from ._base import CommHook, check_coalesce
 from .allreduce import allreduce
 from .cast import fp16_compress
-from .dgc import dgc
+from .dgc import _dgc_states, dgc
 from .downsample import downsample
-from .env import EnvConfig, bucket_cap_mb, parse_env
+from .env import DGC_BUCKET_MB, EnvConfig, bucket_cap_mb, parse_env
 from .hierarchical import hierarchical
 from .multi_stream import multi_stream
 from .nan_check import nan_check
@@ -151,8 +151,12 @@ def ddp(
     environ: Mapping[str, str] | None = None,
     **kwargs: Any,
 ) -> torch.nn.parallel.DistributedDataParallel:
-    """``DistributedDataParallel(module, **kwargs)`` with the env's bucket size and hook."""
+    """``DistributedDataParallel(module, **kwargs)`` with the env's bucket size and hook (or
+    ``hook``); with DGC in the hook and no ``PERSEUS_ALLREDUCE_FUSION``, buckets of
+    ``DGC_BUCKET_MB`` (comm/env.py: DGC pays per bucket, not per byte)."""
     cap = bucket_cap_mb(environ)
+    if cap is None and hook is not None and _dgc_states(hook.state):
+        cap = DGC_BUCKET_MB
     if cap is not None:
         kwargs.setdefault("bucket_cap_mb", cap)
     model = torch.nn.parallel.DistributedDataParallel(module, **kwargs)

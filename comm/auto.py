@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from . import _dgc_auto
 from .activate import build, register
-from .env import DGC_VARIABLES, OVERLAP_VARIABLE, EnvConfig, parse_env
+from .env import DGC_VARIABLES, OVERLAP_VARIABLE, EnvConfig, bucket_cap_mb, parse_env
 from .lifecycle import shutdown
 from .overlap import overlap_step
 
@@ -142,8 +142,9 @@ def activate(environ: Mapping[str, str] | None = None) -> list[str]:
     def __init__(self: Any, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
         cfg = parse_env(env)
         # bucket_cap_mb is DDP's 7th parameter; an explicit one must agree (register checks).
-        if cfg.fusion_mb is not None and "bucket_cap_mb" not in kwargs and len(args) < 6:
-            kwargs["bucket_cap_mb"] = cfg.fusion_mb
+        cap = bucket_cap_mb(env)
+        if cap is not None and "bucket_cap_mb" not in kwargs and len(args) < 6:
+            kwargs["bucket_cap_mb"] = cap
         orig(self, module, *args, **kwargs)
         if cfg.overlap:  # overlap_step registers the hook, at the first forward
             hook = build(cfg)

@@ -170,6 +170,51 @@ def test_explicit_register_after_auto_registration():
         dist.destroy_process_group()
 
 
+def test_dgc_builds_ddp_with_its_bucket_size_unless_fusion_is_set():
+    import datetime
+
+    from torch import nn
+
+    from aiak import comm
+    from aiak.comm import auto
+    from aiak.comm.env import DGC_BUCKET_MB
+
+    dgc_env = {"AIAK_DGC": "1", "AIAK_DGC_COMPRESS_RATIO": "0.01"}
+    assert comm.bucket_cap_mb({}) is None  # DDP's own default
+    assert comm.bucket_cap_mb(dgc_env) == DGC_BUCKET_MB == 128
+    assert comm.bucket_cap_mb({**dgc_env, "PERSEUS_ALLREDUCE_FUSION": "16"}) == 16
+    assert comm.bucket_cap_mb({**dgc_env, "PERSEUS_ALLREDUCE_FUSION": "auto"}) == 128
+    store = dist.HashStore()
+    dist.init_process_group(
+        "gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=30)
+    )
+    try:
+        caps = {}
+        for label, env in (
+            ("dgc", dgc_env),
+            ("dgc16", {**dgc_env, "PERSEUS_ALLREDUCE_FUSION": "16"}),
+        ):
+            auto.activate(env)
+            try:  # the plain spelling a script uses: the activation picks the bucket size
+                caps[label] = nn.parallel.DistributedDataParallel(nn.Linear(4, 2)).bucket_bytes_cap
+            finally:
+                auto.deactivate()
+        assert caps == {"dgc": 128 * 2**20, "dgc16": 16 * 2**20}
+        # the API: aiak.comm.ddp with a DGC hook and no variables; another hook keeps DDP's
+        built = comm.ddp(nn.Linear(4, 2), comm.dgc(compress_ratio=0.01), environ={})
+        plain = comm.ddp(nn.Linear(4, 2), comm.allreduce(), environ={})
+        assert built.bucket_bytes_cap == 128 * 2**20
+        assert (
+            plain.bucket_bytes_cap
+            == nn.parallel.DistributedDataParallel(nn.Linear(4, 2)).bucket_bytes_cap
+        )
+        del built, plain
+    finally:
+        comm.shutdown()  # the hooks' helpers, then the group (when comm has not already)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def test_dgc_activation_swaps_sgd_links_momentum_and_restores():
     from torch.utils.data.distributed import DistributedSampler
 
