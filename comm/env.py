@@ -317,12 +317,14 @@ def _clip(env: Mapping[str, str]) -> tuple[str, tuple[tuple[str, float], ...]] |
     return func, (({"norm": "max_norm", "value": "clip_value"}[func], bound),)
 
 
-# DDP's bucket size (MiB) for DGC when PERSEUS_ALLREDUCE_FUSION is auto: the largest the variable
-# accepts. DGC's work per bucket is host time (its hook's Python and ~40 launches, 2-4 ms a
-# bucket on a lent H100 host) plus one collective; its bytes are ~1% of the gradients, so
-# fewer buckets hide less but cost less. ResNet-50 b32 on 2 nodes x 2 H100 over sockets: 71.6
-# ms a step in DDP's default 5 buckets, 46.3 ms in one (flat allreduce 70.6), one run.
-DGC_BUCKET_MB = 128.0
+# DDP's bucket size (MiB) for DGC when PERSEUS_ALLREDUCE_FUSION is auto. DGC's cost per bucket
+# is host time (its hook's Python and ~40 launches: 3-5 ms a bucket on a lent H100 host, spent
+# inside a host-bound backward) plus one collective; its bytes are ~1% of the gradients.
+# Fewer buckets cost less but hide less of the exchange behind the backward, which a slow link
+# needs. ResNet-50 b32, 2 nodes x 2 H100 over sockets, DGC 0.001 against the flat allreduce of
+# the same run: DDP's default 5 buckets 0.99-1.08x (22.5x at 1 Gbit/s), 50 MiB (2 buckets)
+# 1.51x (30.1x at 1 Gbit/s), 128 MiB (1 bucket) 1.25-1.61x but 15.8x at 1 Gbit/s.
+DGC_BUCKET_MB = 50.0
 
 
 def bucket_cap_mb(environ: Mapping[str, str] | None = None) -> float | None:

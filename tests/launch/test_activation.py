@@ -181,9 +181,9 @@ def test_dgc_builds_ddp_with_its_bucket_size_unless_fusion_is_set():
 
     dgc_env = {"AIAK_DGC": "1", "AIAK_DGC_COMPRESS_RATIO": "0.01"}
     assert comm.bucket_cap_mb({}) is None  # DDP's own default
-    assert comm.bucket_cap_mb(dgc_env) == DGC_BUCKET_MB == 128
+    assert comm.bucket_cap_mb(dgc_env) == DGC_BUCKET_MB == 50
     assert comm.bucket_cap_mb({**dgc_env, "PERSEUS_ALLREDUCE_FUSION": "16"}) == 16
-    assert comm.bucket_cap_mb({**dgc_env, "PERSEUS_ALLREDUCE_FUSION": "auto"}) == 128
+    assert comm.bucket_cap_mb({**dgc_env, "PERSEUS_ALLREDUCE_FUSION": "auto"}) == 50
     store = dist.HashStore()
     dist.init_process_group(
         "gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=30)
@@ -199,11 +199,11 @@ def test_dgc_builds_ddp_with_its_bucket_size_unless_fusion_is_set():
                 caps[label] = nn.parallel.DistributedDataParallel(nn.Linear(4, 2)).bucket_bytes_cap
             finally:
                 auto.deactivate()
-        assert caps == {"dgc": 128 * 2**20, "dgc16": 16 * 2**20}
+        assert caps == {"dgc": 50 * 2**20, "dgc16": 16 * 2**20}
         # the API: aiak.comm.ddp with a DGC hook and no variables; another hook keeps DDP's
         built = comm.ddp(nn.Linear(4, 2), comm.dgc(compress_ratio=0.01), environ={})
         plain = comm.ddp(nn.Linear(4, 2), comm.allreduce(), environ={})
-        assert built.bucket_bytes_cap == 128 * 2**20
+        assert built.bucket_bytes_cap == 50 * 2**20
         assert (
             plain.bucket_bytes_cap
             == nn.parallel.DistributedDataParallel(nn.Linear(4, 2)).bucket_bytes_cap
