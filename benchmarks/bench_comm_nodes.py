@@ -67,7 +67,7 @@ MODES: dict[str, list[str]] = {
     "powersgd-r1": ["--powersgd", "--powersgd-rank", "1", "--start-compress-iter", "2"],
     "powersgd-r4": ["--powersgd", "--powersgd-rank", "4", "--start-compress-iter", "2"],
     "dgc-0.001": ["--dgc", "--compress-ratio", "0.001"],
-    # --dgc builds DDP with 50 MiB buckets (comm/env.py's DGC_BUCKET_MB; ResNet-50's gradients
+    # --dgc builds DDP with 50 MiB buckets (aiak.comm.DGC_BUCKET_MB; ResNet-50's gradients
     # in two); these rows set the size: DDP's default, DGC's, one bucket, and the flat
     # allreduce in one bucket
     "dgc-0.001-bucket25": ["--dgc", "--compress-ratio", "0.001", "--allreduce-fusion", "25"],

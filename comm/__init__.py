@@ -20,12 +20,12 @@ environment variables), ``activate`` (hooks from the environment, registration o
 from ._base import CommHook, HookState
 from ._futures import CommError
 from .accumulate import Accumulator, accumulate
-from .activate import ddp, from_env, register
+from .activate import DGC_BUCKET_MB, bucket_cap_mb, ddp, from_env, register
 from .allreduce import AllreduceState, allreduce
 from .cast import CastState, bf16_compress, fp16_compress
 from .dgc import DGCSGD, DGCState, check_dgc_optimizer, dgc, link_dgc_optimizer
 from .downsample import DownsampleState, downsample
-from .env import EnvConfig, bucket_cap_mb, gloo_timeout, parse_env
+from .env import EnvConfig, gloo_timeout, parse_env
 from .hierarchical import HierarchicalState, hierarchical
 from .lifecycle import exit_rank, shutdown
 from .multi_stream import MultiStreamState, multi_stream
@@ -36,6 +36,7 @@ from .topology import Topology, topology
 
 __all__ = [
     "DGCSGD",
+    "DGC_BUCKET_MB",
     "Accumulator",
     "AllreduceState",
     "CastState",

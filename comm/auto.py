@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from . import _dgc_auto
-from .activate import build, register
-from .env import DGC_VARIABLES, OVERLAP_VARIABLE, EnvConfig, bucket_cap_mb, parse_env
+from .activate import bucket_cap_mb, build, register
+from .env import DGC_VARIABLES, OVERLAP_VARIABLE, EnvConfig, parse_env
 from .lifecycle import shutdown
 from .overlap import overlap_step
 
@@ -164,7 +164,11 @@ def activate(environ: Mapping[str, str] | None = None) -> list[str]:
             extra = ", slow-rank check" if cfg.perf_steps else ""
             extra += ", the optimizer stepping bucket by bucket" if cfg.overlap else ""
             logger.info(
-                "comm: DDP registered %s%s (%d B of gradients per step)", what, extra, grads
+                "comm: DDP registered %s%s (%d B of gradients per step, %g MiB buckets)",
+                what,
+                extra,
+                grads,
+                self.bucket_bytes_cap / 2**20,
             )
 
     ddp_cls.__init__ = __init__

@@ -28,7 +28,6 @@ def _in_downsample_range(v: int) -> bool:
 
 __all__ = [
     "EnvConfig",
-    "bucket_cap_mb",
     "gloo_timeout",
     "init_timeout",
     "local_world_size",
@@ -315,25 +314,6 @@ def _clip(env: Mapping[str, str]) -> tuple[str, tuple[tuple[str, float], ...]] |
     if func is None:
         return None
     return func, (({"norm": "max_norm", "value": "clip_value"}[func], bound),)
-
-
-# DDP's bucket size (MiB) for DGC when PERSEUS_ALLREDUCE_FUSION is auto. DGC's cost per bucket
-# is host time (its hook's Python and ~40 launches: 3-5 ms a bucket on a lent H100 host, spent
-# inside a host-bound backward) plus one collective; its bytes are ~1% of the gradients.
-# Fewer buckets cost less but hide less of the exchange behind the backward, which a slow link
-# needs. ResNet-50 b32, 2 nodes x 2 H100 over sockets, DGC 0.001 against the flat allreduce of
-# the same run: DDP's default 5 buckets 0.99-1.08x (22.5x at 1 Gbit/s), 50 MiB (2 buckets)
-# 1.51x (30.1x at 1 Gbit/s), 128 MiB (1 bucket) 1.25-1.61x but 15.8x at 1 Gbit/s.
-DGC_BUCKET_MB = 50.0
-
-
-def bucket_cap_mb(environ: Mapping[str, str] | None = None) -> float | None:
-    """DDP's ``bucket_cap_mb`` from ``PERSEUS_ALLREDUCE_FUSION``; when that is auto (unset),
-    :data:`DGC_BUCKET_MB` with ``AIAK_DGC=1``, else ``None`` (DDP's default)."""
-    cfg = parse_env(environ)
-    if cfg.fusion_mb is None and cfg.dgc is not None:
-        return DGC_BUCKET_MB
-    return cfg.fusion_mb
 
 
 # The longest timeout accepted: a year. gloo keeps it in milliseconds and timedelta refuses

@@ -80,7 +80,12 @@ FLAGS: tuple[Flag, ...] = (
         needs=("--downsample-n-elements",),
     ),
     Flag("--allreduce-streams", "PERSEUS_ALLREDUCE_STREAMS", int, "buckets over K groups"),
-    Flag("--allreduce-fusion", "PERSEUS_ALLREDUCE_FUSION", str, "DDP bucket size, MiB, or auto"),
+    Flag(
+        "--allreduce-fusion",
+        "PERSEUS_ALLREDUCE_FUSION",
+        str,
+        "DDP bucket size, MiB, or auto (DDP's own; 50 with --dgc)",
+    ),
     Flag("--perf-check-n-steps", "PERSEUS_PERF_CHECK_N_STEPS", int, "slow-rank check period"),
     Flag("--comm-log-steps", "AIAK_COMM_LOG_STEPS", int, "log the hook's bytes every N steps"),
     # DGC (aiak.comm.dgc) and the backward/step overlap (aiak.comm.overlap_step).

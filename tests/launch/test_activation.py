@@ -176,8 +176,7 @@ def test_dgc_builds_ddp_with_its_bucket_size_unless_fusion_is_set():
     from torch import nn
 
     from aiak import comm
-    from aiak.comm import auto
-    from aiak.comm.env import DGC_BUCKET_MB
+    from aiak.comm import DGC_BUCKET_MB, auto
 
     dgc_env = {"AIAK_DGC": "1", "AIAK_DGC_COMPRESS_RATIO": "0.01"}
     assert comm.bucket_cap_mb({}) is None  # DDP's own default
