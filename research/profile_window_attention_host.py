@@ -47,6 +47,7 @@ from aiak.ops.window_partition import roll_window_partition, window_merge_roll
 class _Function:
     """Stands in for a CuPy RawKernel: the attributes the launchers read and set."""
 
+    kernel = type("Handle", (), {"ptr": 1})()  # the driver handle _driver.Kernel loads
     num_regs = 128
     max_dynamic_shared_size_bytes = 48 * 1024
     preferred_shared_memory_carveout = 0
@@ -83,6 +84,7 @@ def stubbed() -> Iterator[None]:
     mp.set(_cuda, "get_function", lambda *a, **k: _FN)
     mp.set(_cuda, "num_sms", lambda device: 132)
     mp.set(torch.cuda, "current_device", lambda: 0)
+    mp.set(_cuda, "raw_stream", lambda device: 0)
     mp.set(wac, "_sm_limits", lambda device: (228 * 1024, 65536))
     if hasattr(wac, "eager"):  # the eager path's predicate: CPU tensors count as CUDA ones
         mp.set(wac, "eager", wac.eager_on("cpu"))
