@@ -68,10 +68,9 @@ MODES: dict[str, list[str]] = {
     "powersgd-r4": ["--powersgd", "--powersgd-rank", "4", "--start-compress-iter", "2"],
     "dgc-0.001": ["--dgc", "--compress-ratio", "0.001"],
     # --dgc builds DDP with 50 MiB buckets (aiak.comm.DGC_BUCKET_MB; ResNet-50's gradients
-    # in two); these rows set the size: DDP's default, DGC's, one bucket, and the flat
-    # allreduce in one bucket
+    # in two); these rows set another size: DDP's 25 MiB, one bucket, and the flat allreduce in
+    # one bucket
     "dgc-0.001-bucket25": ["--dgc", "--compress-ratio", "0.001", "--allreduce-fusion", "25"],
-    "dgc-0.001-bucket50": ["--dgc", "--compress-ratio", "0.001", "--allreduce-fusion", "50"],
     "dgc-0.001-bucket128": ["--dgc", "--compress-ratio", "0.001", "--allreduce-fusion", "128"],
     "flat-bucket128": ["--comm-log-steps", "1000000", "--allreduce-fusion", "128"],
     "downsample-4": [],  # PERSEUS_DOWNSAMPLE_N_ELEMENTS=4 (MODE_ENV): aiakrun has no flag for it

@@ -1,9 +1,11 @@
-"""Shared by the window-attention tests: both paths' outputs and gradients, and opcheck."""
+"""Shared by the window-attention tests: both paths' outputs and gradients, opcheck, and a
+counter of the aten ops that copy data."""
 
 from __future__ import annotations
 
 import torch
 from _window_literal import inputs
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def both_paths(fn, leaves, grad):
@@ -43,3 +45,17 @@ def opcheck_all(device, dtype):
     torch.library.opcheck(torch.ops.aiak.roll_window_partition.default, (x, 7, 3))
     w = torch.randn(4, 49, 6, dtype=dtype, device=device, requires_grad=True)
     torch.library.opcheck(torch.ops.aiak.window_merge_roll.default, (w, 14, 7, 3))
+
+
+class Copies(TorchDispatchMode):
+    """Counts the aten ops that copy a tensor's data."""
+
+    COPIES = ("clone", "copy_", "_to_copy", "contiguous", "stack", "cat")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.__name__.split(".")[0] in self.COPIES
+        return func(*args, **(kwargs or {}))

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 from _numerics import rel_err as _rel
+from _window_helpers import Copies
 from _window_literal import rel_index, swin_mask
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from aiak.ops import _window_attention_cuda as wac
 from aiak.ops import swin
@@ -94,23 +94,9 @@ def test_convert_replaces_modules_and_keeps_state_dict():
     assert all(hasattr(b, "_aiak_timm_attn") for b in conv.blocks)
 
 
-class _Copies(TorchDispatchMode):
-    """Counts the aten ops that copy a tensor's data."""
-
-    COPIES = ("clone", "copy_", "_to_copy", "contiguous", "stack", "cat")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func.__name__.split(".")[0] in self.COPIES
-        return func(*args, **(kwargs or {}))
-
-
 def _copies_in_step(attn: nn.Module, x: torch.Tensor, mask: torch.Tensor) -> int:
     attn.zero_grad(set_to_none=True)  # the same gradient accumulation each time
-    with _Copies() as copies:
+    with Copies() as copies:
         attn(x, mask).square().sum().backward()
     return copies.count
 

@@ -16,10 +16,10 @@ import warnings
 import pytest
 import torch
 from _numerics import rel_err as _rel
+from _window_helpers import Copies
 from _window_helpers import both_paths as _both_paths
 from _window_helpers import opcheck_all as _opcheck_all
 from _window_literal import inputs, literal_attention, literal_partition, rel_index, swin_mask
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import aiak.ops  # noqa: F401
 from aiak.ops import _window_attention_cuda as wac
@@ -287,20 +287,6 @@ def test_mma_grid_keeps_one_mask_per_block(monkeypatch, regs):
                 assert g * heads <= per_sm * 132
 
 
-class _Copies(TorchDispatchMode):
-    """Counts the aten ops that copy a tensor's data."""
-
-    COPIES = ("clone", "copy_", "_to_copy", "contiguous")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func.__name__.split(".")[0] in self.COPIES
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.fixture
 def launches(recorder, monkeypatch):
     """The launchers on CPU tensors with the launches recorded (tests/ops/conftest.py)."""
@@ -322,7 +308,7 @@ def test_layouts_reach_the_kernels_as_strides_without_copies(launches, kernel):
     bias = torch.randn(heads, n, n)
     grad = torch.randn(windows, n, heads, d).half().transpose(1, 2)
     for _ in range(2):  # the plan made, then the plan cached
-        with _Copies() as copies:
+        with Copies() as copies:
             out = wac._attention_cuda_with(kernel, q, k, v, bias, None, 0.2, tokens_first=True)
             wac._attention_backward_cuda_with(kernel, grad, q, k, v, bias, None, 0.2)
         assert copies.count == 0

@@ -51,6 +51,10 @@ KERNEL_CASES = [
     (7, 2, 13, 32, 7, torch.float16),
     (11, 2, 33, 32, None, torch.bfloat16),
 ]
+# the variants against base: the largest grid and the odd token counts
+VARIANT_CASES = [
+    c for c in KERNEL_CASES if c[0] == 64 * 64 or c[2:4] in ((64, 64), (13, 32), (33, 32))
+]
 
 
 @pytest.mark.cuda
@@ -126,10 +130,7 @@ def test_kernel_tokens_first_output_and_strided_grads(kernel, fwd, variant):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("variant", [v for v in wa.BWD_VARIANTS if v != "base"])
-@pytest.mark.parametrize(
-    ("windows", "heads", "n", "d", "nw", "dtype"),
-    [c for c in KERNEL_CASES if c[0] == 64 * 64 or c[2:4] in ((64, 64), (13, 32), (33, 32))],
-)
+@pytest.mark.parametrize(("windows", "heads", "n", "d", "nw", "dtype"), VARIANT_CASES)
 def test_bwd_variants_compute_what_base_computes(variant, windows, heads, n, d, nw, dtype):
     # the same products in the same order: dq, dk, dv bit for bit; the bias gradient's partial
     # sums follow each variant's grid (fp32 atomics), so it matches to rounding
@@ -144,10 +145,7 @@ def test_bwd_variants_compute_what_base_computes(variant, windows, heads, n, d, 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("variant", [v for v in wa.FWD_VARIANTS if v != "base"])
-@pytest.mark.parametrize(
-    ("windows", "heads", "n", "d", "nw", "dtype"),
-    [c for c in KERNEL_CASES if c[0] == 64 * 64 or c[2:4] in ((64, 64), (13, 32), (33, 32))],
-)
+@pytest.mark.parametrize(("windows", "heads", "n", "d", "nw", "dtype"), VARIANT_CASES)
 def test_fwd_variants_compute_what_base_computes(variant, windows, heads, n, d, nw, dtype):
     q, k, v, bias, mask = inputs(windows, heads, n, d, nw, dtype=dtype, device="cuda")
     bias = bias.float()
