@@ -31,6 +31,8 @@ step's averaged gradient against the exact no-hook average (and torch's fp16 hoo
 bound for fp16 wires), the bytes the hook sent per step per stage (all ranks), and the bytes
 that left the nodes through the link. Appends to ``benchmarks/results/comm_nodes.csv`` and
 draws ``comm_nodes_<N>x<G>[_<rate>mbit].png`` (skipped without matplotlib; ``--replot`` later).
+A mode that fails is reported and the next one runs; a run stopped by SIGTERM (``timeout``) or
+^C removes its namespaces and still writes the modes it finished (exit code 1 either way).
 """
 
 from __future__ import annotations
@@ -190,6 +192,10 @@ def run_mode(args, mode: str, shell: str, tmp: Path, port: int) -> list[dict]:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
             code = None
+        except BaseException:  # stopped (SIGTERM, ^C): the job goes with this script
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+            raise
     if code != 0 or not out.exists():
         tail = log.read_text()[-4000:]
         why = f"timed out after {args.limit} s" if code is None else f"exit code {code}"
@@ -265,7 +271,7 @@ def plot(rows: list[dict], path: Path) -> None:
     r0 = rows[0]
     link = f"{r0['link_mbit']} Mbit/s tc" if r0["link_mbit"] else "veth, no tc limit"
     fig.suptitle(
-        f"aiak.comm, {r0['nodes']} nodes x {r0['per_node']} {r0['device']}; between nodes: "
+        f"aiak.comm, {r0['nodes']} nodes x {r0['per_node']} {r0['device']}\nbetween nodes: "
         f"NCCL sockets over {link}"
     )
     fig.tight_layout()
@@ -278,6 +284,8 @@ def _png(nodes: int, per_node: int, rate: int) -> Path:
 
 
 def latest_rows(nodes: int, per_node: int, rate: int) -> list[dict]:
+    """Each (model, mode)'s latest row at this topology and link (a run split over several
+    invocations plots whole; each bar's run is in the CSV by its timestamp)."""
     with (RESULTS / "comm_nodes.csv").open(newline="") as f:
         rows = [
             r
@@ -286,7 +294,9 @@ def latest_rows(nodes: int, per_node: int, rate: int) -> list[dict]:
         ]
     if not rows:
         sys.exit(f"bench_comm_nodes: no {nodes} x {per_node} rows in comm_nodes.csv")
-    rows = [r for r in rows if r["timestamp"] == rows[-1]["timestamp"]]
+    # later rows replace earlier ones; modes this script no longer has are left out
+    latest = {(r["model"], r["mode"]): r for r in rows if r["mode"] in MODES}
+    rows = list(latest.values())
     for r in rows:
         r.update(step_ms=float(r["step_ms"]), grad_bytes=float(r["grad_bytes"]))
         r["link_mbit"] = int(r["link_mbit"])
@@ -307,6 +317,14 @@ def _devices() -> tuple[int, str]:
     return torch.cuda.device_count(), torch.cuda.get_device_name(0)
 
 
+class Stopped(Exception):
+    """SIGTERM (e.g. from ``timeout``): the namespaces go, the finished modes' rows stay."""
+
+
+def _stop(signum: int, _frame: object) -> None:
+    raise Stopped(f"signal {signum}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--per-node", type=int, default=2, help="GPUs (ranks) per node")
@@ -318,7 +336,7 @@ def main() -> int:
     p.add_argument("--limit", type=float, default=240, help="seconds per mode")
     p.add_argument("--csv", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--json", default="", help="also write the rows to this file")
-    p.add_argument("--replot", action="store_true", help="plot the CSV's latest run, no runs")
+    p.add_argument("--replot", action="store_true", help="plot each mode's latest CSV row, no runs")
     p.add_argument(
         "--trace",
         default="",
@@ -353,6 +371,11 @@ def main() -> int:
 
     unavailable = {f.option for f in FLAGS if not f.available}
     rows: list[dict] = []
+    # A mode that fails is reported and the next one runs; a run stopped by SIGTERM or ^C
+    # (a time limit) removes its namespaces and still reports the modes it finished.
+    failed: list[str] = []
+    stopped = ""
+    signal.signal(signal.SIGTERM, _stop)
     with tempfile.TemporaryDirectory(prefix="aiak_nodes_") as tmp:
         shell = remote_shell(Path(tmp), args.per_node, gpus)
         try:
@@ -367,11 +390,23 @@ def main() -> int:
                     print(f"{mode}: skipped, aiakrun {missing} not available in this version")
                     continue
                 t = time.monotonic()
-                rows += run_mode(args, mode, shell, Path(tmp), 29400 + i)
+                try:
+                    rows += run_mode(args, mode, shell, Path(tmp), 29400 + i)
+                except RuntimeError as e:
+                    print(e, file=sys.stderr, flush=True)
+                    failed.append(mode)
+                    continue
                 print(f"{mode}: {time.monotonic() - t:.0f} s", flush=True)
+        except (Stopped, KeyboardInterrupt) as e:
+            stopped = str(e) or "interrupted"
         finally:
             kill_left(NS)
             teardown_link(NS)
+    if stopped:
+        done = list(dict.fromkeys(r["mode"] for r in rows))
+        print(f"bench_comm_nodes: stopped ({stopped}); finished modes: {done}", flush=True)
+    if failed:
+        print(f"bench_comm_nodes: failed modes: {failed}", flush=True)
     if not rows:
         return 1
     check(rows)
@@ -407,7 +442,7 @@ def main() -> int:
                 f"{v:>18.4g}" if isinstance(v, float) else f"{'' if v is None else v!s:>18}"
             )
         print("  ".join(cells))
-    return 1 if any(r["check"] == "FAIL" for r in rows) else 0
+    return 1 if stopped or failed or any(r["check"] == "FAIL" for r in rows) else 0
 
 
 if __name__ == "__main__":
