@@ -20,6 +20,10 @@ Rows are appended after each recipe, so a run cut short keeps the recipes it fin
 time limit, run the recipes in two calls (``--recipes swin_t,resnet50``, then
 ``--recipes bert_lamb,yolox_simota``): each compiles two models per recipe.
 
+``--compile-mode reduce-overhead`` (any ``torch.compile`` mode) compiles both compiled modes
+that way: with CUDA graphs a host-bound step shows its kernels' time, so the same recipe under
+both modes tells how much of a compiled step is the host's (the ``compile_mode`` column).
+
 A recipe whose model needs timm or torchvision is skipped, with the reason printed and kept
 in the CSV, when the package is missing (``--quick`` needs neither).
 """
@@ -112,7 +116,7 @@ def bench_recipe(name: str, args: argparse.Namespace, device: torch.device) -> l
             aiak=mode.startswith("aiak"), tiny=args.quick, device=device, batch=batch
         )
         if mode.endswith("compile"):
-            run.compile(backend=args.backend)
+            run.compile(backend=args.backend, mode=args.compile_mode)
         runs[mode] = run
     compile_s = {}
     for mode, run in runs.items():  # warm-up: compilation, allocator, autotuning
@@ -140,6 +144,7 @@ def bench_recipe(name: str, args: argparse.Namespace, device: torch.device) -> l
                 "status": "ok",
                 "batch": batch,
                 "backend": args.backend,
+                "compile_mode": args.compile_mode or "default",
                 "ms_step": med[mode],
                 "ms_rounds": " ".join(f"{t:.2f}" for t in times[mode]),
                 "vs_o1": med["o1"] / med[mode],
@@ -223,6 +228,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--batch", type=int, default=None, help="override every recipe's batch")
     p.add_argument("--quick", action="store_true", help="tiny torch.nn models (CPU smoke run)")
     p.add_argument("--backend", default="inductor", help="torch.compile backend")
+    p.add_argument(
+        "--compile-mode",
+        default=None,
+        choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
+        help="torch.compile's mode for both compiled modes (default: torch's default)",
+    )
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--out", type=Path, default=RESULTS, help="folder of e2e.csv / e2e.png")
     args = p.parse_args(argv)

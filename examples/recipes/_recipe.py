@@ -3,7 +3,8 @@
 A recipe defines ``build(aiak, tiny, device, batch) -> Run``: with ``aiak=False`` what a user
 picks without aiak (O1: torch.autocast + GradScaler, torch's optimizer), with ``aiak=True``
 the aiak set-up (O2 by ``aiak.amp.decorate``, a fused optimizer, and the recipe's op).
-``--compile`` wraps the model in ``torch.compile``. Under ``aiakrun -np N`` (``WORLD_SIZE``
+``--compile`` wraps the model in ``torch.compile`` (``--compile-mode reduce-overhead``: with
+CUDA graphs). Under ``aiakrun -np N`` (``WORLD_SIZE``
 > 1) the model is wrapped in DDP first (the communication hooks come from aiakrun's flags).
 ``benchmarks/bench_e2e.py`` builds the same runs and times them side by side.
 """
@@ -79,6 +80,12 @@ def parse(description: str, batch: int, tiny_batch: int) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument(
+        "--compile-mode",
+        default=None,
+        choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
+        help="torch.compile's mode (with --compile); reduce-overhead: CUDA graphs",
+    )
+    p.add_argument(
         "--aiak",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -92,6 +99,8 @@ def parse(description: str, batch: int, tiny_batch: int) -> argparse.Namespace:
     args = p.parse_args()
     if args.steps < 1:
         p.error(f"--steps must be >= 1, got {args.steps}")
+    if args.compile_mode and not args.compile:
+        p.error("--compile-mode needs --compile")
     if args.batch is None:
         args.batch = tiny_batch if args.tiny else batch
     if args.batch < 1:
@@ -129,7 +138,7 @@ def main(build: Callable[..., Run], description: str, batch: int, tiny_batch: in
     done = _maybe_ddp(run)
     try:
         if args.compile:
-            run.compile()
+            run.compile(mode=args.compile_mode)
         losses, t0 = [], None
         for i in range(args.steps):
             if i == min(2, args.steps - 1):  # compile and warm-up stay out of the time

@@ -140,10 +140,13 @@ def test_forward_wrapper_keeps_the_signature_and_the_users_hooks_see_fp32() -> N
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
 @pytest.mark.parametrize("name", ["resnet", "swin_convert"])
-def test_fp16_o2_under_inductor_on_cuda(name: str, cuda_device) -> None:
+def test_fp16_o2_under_inductor_on_cuda(name: str, mode: str | None, cuda_device) -> None:
     """On the GPU: fp16 O2 with aiak's GradScaler, the model compiled by inductor with
-    ``fullgraph=True``, against the same O2 run eager."""
+    ``fullgraph=True`` (and with CUDA graphs: ``mode="reduce-overhead"`` replays the forward
+    and the backward, aiak's window attention kernels included, from captured graphs), against
+    the same O2 run eager."""
     model, x, y = build(name)
     model, x, y = model.to(cuda_device), x.to(cuda_device), y.to(cuda_device)
     twin = copy.deepcopy(model)
@@ -151,9 +154,9 @@ def test_fp16_o2_under_inductor_on_cuda(name: str, cuda_device) -> None:
     opt_c = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
     amp.decorate(model, opt)
     amp.decorate(twin, opt_c)
-    compiled = torch.compile(twin, fullgraph=True)
+    compiled = torch.compile(twin, fullgraph=True, mode=mode)
     scalers = amp.GradScaler("cuda"), amp.GradScaler("cuda")
-    for _ in range(3):
+    for _ in range(4):  # CUDA graphs: recorded on the 2nd call, replayed from the 3rd
         losses = []
         for m, o, s in ((model, opt, scalers[0]), (compiled, opt_c, scalers[1])):
             o.zero_grad()

@@ -50,6 +50,11 @@ def test_recipe_flags_are_checked() -> None:
         env=ENV, capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert done.returncode == 2 and "--steps must be >= 1" in done.stderr
+    done = subprocess.run(
+        [sys.executable, str(script), "--tiny", "--compile-mode", "reduce-overhead"],
+        env=ENV, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2 and "--compile-mode needs --compile" in done.stderr
 
 
 @pytest.mark.slow
