@@ -5,6 +5,7 @@ gradient."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -77,3 +78,25 @@ def test_one_group_of_many_tensors_takes_a_constant_number_of_calls() -> None:
         return sum(1 for e in prof.events() if e.name.startswith("aten::_foreach"))
 
     assert calls(4) == calls(64) > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_foreach_step_on_cuda_is_the_per_tensor_rule(nesterov: bool, cuda_device) -> None:
+    """On the GPU torch's foreach kernels (its fast path) run the step; the per-tensor rule with
+    torch's own ops on the same device is the reference."""
+    gen = torch.Generator().manual_seed(0)
+    shapes, dtypes = [(64, 3, 7, 7), (64,), (1000, 2048), (1,)], [torch.float32, torch.float16]
+    params = [torch.randn(s, generator=gen).to(cuda_device, dt) for s in shapes for dt in dtypes]
+    ref = [p.clone() for p in params]
+    opt = comm.DGCSGD(params, lr=0.1, momentum=0.9, weight_decay=1e-2, nesterov=nesterov)
+    bufs: dict = {}
+    for _ in range(3):
+        for p, q in zip(params, ref):
+            p.grad = torch.randn(p.shape, generator=gen).to(cuda_device, p.dtype)
+            q.grad = p.grad.clone()
+        opt.step()
+        _reference_step(ref, bufs, 0.1, 0.9, 1e-2, nesterov)
+    for p, q in zip(params, ref):
+        tol = 1e-6 if p.dtype == torch.float32 else 1e-3
+        torch.testing.assert_close(p, q, rtol=tol, atol=tol)
