@@ -46,6 +46,7 @@ from _harness import RESULTS, environment, print_table
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "recipes"))
+from _recipe import COMPILE_MODES  # noqa: E402  (the recipes' folder is on the path above)
 
 RECIPES = {  # name -> (package the full-size model needs, full batch, quick batch)
     "swin_t": ("timm", 64, 4),
@@ -231,7 +232,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument(
         "--compile-mode",
         default=None,
-        choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
+        choices=COMPILE_MODES,
         help="torch.compile's mode for both compiled modes (default: torch's default)",
     )
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")

@@ -99,19 +99,19 @@ class DGCSGD(torch.optim.Optimizer):
             return
         w = torch._foreach_mul(ps, wd)
         if m:
-            bufs = []
+            # a parameter's first step makes its buffer w itself (not m * 0 + w)
+            old, old_w = [], []
             for p, wp in zip(ps, w):
                 st = self.state[p]
-                buf = st.get("momentum_buffer")
-                if buf is None:  # the first step: the buffer is w itself, not m * 0 + w
-                    buf = st["momentum_buffer"] = wp.clone()
-                    bufs.append(None)
+                buf = st.get("momentum_buffer")  # None too in a state saved by torch's SGD
+                if buf is not None:
+                    old.append(buf)
+                    old_w.append(wp)
                 else:
-                    bufs.append(buf)
-            old = [b for b in bufs if b is not None]
+                    st["momentum_buffer"] = wp.clone()
             if old:
                 torch._foreach_mul_(old, m)
-                torch._foreach_add_(old, [wp for wp, b in zip(w, bufs) if b is not None])
+                torch._foreach_add_(old, old_w)
             bufs = [self.state[p]["momentum_buffer"] for p in ps]
             w = torch._foreach_add(w, bufs, alpha=m) if group["nesterov"] else bufs
         torch._foreach_add_(ps, torch._foreach_add(gs, w), alpha=-lr)

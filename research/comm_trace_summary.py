@@ -52,8 +52,9 @@ def last_step(events: list[dict]) -> dict | None:
 
 def optimizer_tail(events: list[dict], st: dict) -> dict:
     """The step's optimizer kernels (launched inside an ``Optimizer.step`` range of the same
-    host thread), their GPU ms, the host ms of those ranges, and the tail: GPU ms from the end
-    of the step's last other kernel to the end of its last optimizer kernel."""
+    host thread), their GPU ms, the host ms of those ranges, and the tail: ms from the end of
+    the step's last collective (without one, its last other kernel) to the end of its last
+    optimizer kernel."""
     t0, t1 = st["ts"], st["ts"] + st["dur"]
     ranges = [
         (e["ts"], e["ts"] + e["dur"], e.get("tid"))
@@ -77,10 +78,11 @@ def optimizer_tail(events: list[dict], st: dict) -> dict:
         if e.get("cat") in GPU_CATS
         and t0 <= launches.get(e.get("args", {}).get("correlation"), (e["ts"], None))[0] <= t1
     ]
-    opt = [k for k in gpu if in_optimizer(k)]
+    opt, other = [], []
+    for k in gpu:
+        (opt if in_optimizer(k) else other).append(k)
     # the exchange's end: the step's last collective (without one, its last other kernel)
-    nccl = [k for k in gpu if "nccl" in k["name"].lower()]
-    rest = nccl or [k for k in gpu if not in_optimizer(k)]
+    rest = [k for k in other if "nccl" in k["name"].lower()] or other
     rest_end = max((k["ts"] + k["dur"] for k in rest), default=t0)
     opt_end = max((k["ts"] + k["dur"] for k in opt), default=rest_end)
     return {

@@ -21,7 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Run", "half_dtype", "main", "parse"]
+__all__ = ["COMPILE_MODES", "Run", "half_dtype", "main", "parse"]
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 def half_dtype(device: torch.device) -> torch.dtype:
@@ -82,7 +84,7 @@ def parse(description: str, batch: int, tiny_batch: int) -> argparse.Namespace:
     p.add_argument(
         "--compile-mode",
         default=None,
-        choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
+        choices=COMPILE_MODES,
         help="torch.compile's mode (with --compile); reduce-overhead: CUDA graphs",
     )
     p.add_argument(
