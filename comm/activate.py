@@ -151,7 +151,8 @@ def register(
 # Fewer buckets cost less but hide less of the exchange behind the backward, which a slow link
 # needs. ResNet-50 b32, 2 nodes x 2 H100 over sockets, DGC 0.001 against the flat allreduce of
 # the same run: DDP's default 5 buckets 0.99-1.08x (22.5x at 1 Gbit/s), 50 MiB (2 buckets)
-# 1.51x (30.1x at 1 Gbit/s), 128 MiB (1 bucket) 1.25-1.61x but 15.8x at 1 Gbit/s.
+# 1.51x and 1.63x in two runs (30.1x, 32.8x at 1 Gbit/s), 128 MiB (1 bucket) 1.25-1.61x but
+# 15.8x at 1 Gbit/s.
 DGC_BUCKET_MB = 50.0
 
 
