@@ -23,6 +23,8 @@ time limit, run the recipes in two calls (``--recipes swin_t,resnet50``, then
 ``--compile-mode reduce-overhead`` (any ``torch.compile`` mode) compiles both compiled modes
 that way: with CUDA graphs a host-bound step shows its kernels' time, so the same recipe under
 both modes tells how much of a compiled step is the host's (the ``compile_mode`` column).
+``--graphs`` (CUDA) adds ``o1_graphs`` and ``aiak_graphs``: the eager set-ups with the model's
+forward and backward replayed from CUDA graphs (the recipes' ``Run.graph``), no compiler.
 
 A recipe whose model needs timm or torchvision is skipped, with the reason printed and kept
 in the CSV, when the package is missing (``--quick`` needs neither).
@@ -55,6 +57,7 @@ RECIPES = {  # name -> (package the full-size model needs, full batch, quick bat
     "yolox_simota": (None, 64, 4),
 }
 MODES = ("o1", "o1_compile", "aiak", "aiak_compile")
+GRAPH_MODES = ("o1_graphs", "aiak_graphs")
 
 
 def _sync(device: torch.device) -> None:
@@ -111,13 +114,16 @@ def bench_recipe(name: str, args: argparse.Namespace, device: torch.device) -> l
         print(f"{name}: {reason}")
         return [{"recipe": name, "mode": "", "status": reason}]
     recipe = importlib.import_module(name)
+    modes = MODES + (GRAPH_MODES if args.graphs else ())
     runs = {}
-    for mode in MODES:
+    for mode in modes:
         run = recipe.build(
             aiak=mode.startswith("aiak"), tiny=args.quick, device=device, batch=batch
         )
         if mode.endswith("compile"):
             run.compile(backend=args.backend, mode=args.compile_mode)
+        if mode.endswith("graphs"):
+            run.graph()
         runs[mode] = run
     compile_s = {}
     for mode, run in runs.items():  # warm-up: compilation, allocator, autotuning
@@ -125,11 +131,11 @@ def bench_recipe(name: str, args: argparse.Namespace, device: torch.device) -> l
         _steps(run, args.warmup)
         compile_s[mode] = time.perf_counter() - t0
         print(f"{name} {mode}: warm-up {compile_s[mode]:.1f} s", flush=True)
-    times: dict[str, list[float]] = {m: [] for m in MODES}
-    peaks: dict[str, int] = dict.fromkeys(MODES, 0)
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    peaks: dict[str, int] = dict.fromkeys(modes, 0)
     losses: dict[str, float] = {}
     for r in range(args.rounds):
-        order = MODES[r % len(MODES) :] + MODES[: r % len(MODES)]
+        order = modes[r % len(modes) :] + modes[: r % len(modes)]
         for mode in order:
             ms, loss, peak = _steps(runs[mode], args.steps)
             times[mode].append(ms)
@@ -137,7 +143,7 @@ def bench_recipe(name: str, args: argparse.Namespace, device: torch.device) -> l
             losses[mode] = loss
     med = {m: statistics.median(v) for m, v in times.items()}
     rows = []
-    for mode in MODES:
+    for mode in modes:
         rows.append(
             {
                 "recipe": name,
@@ -202,10 +208,12 @@ def _plot(rows: list[dict], out: Path) -> Path | None:
     if not recipes:
         return None
     fig, ax = plt.subplots(figsize=(2 + 2 * len(recipes), 3.5))
-    width = 0.8 / len(MODES)
-    for i, mode in enumerate(MODES):
+    modes = [m for m in MODES + GRAPH_MODES if any(r["mode"] == m for r in ok)]
+    width = 0.8 / len(modes)
+    for i, mode in enumerate(modes):
         ys = [
-            next(r["vs_o1"] for r in ok if r["recipe"] == n and r["mode"] == mode) for n in recipes
+            next((r["vs_o1"] for r in ok if r["recipe"] == n and r["mode"] == mode), 0.0)
+            for n in recipes
         ]
         ax.bar([k + i * width for k in range(len(recipes))], ys, width, label=mode)
     ax.axhline(1.0, color="grey", lw=0.8)
@@ -235,6 +243,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         choices=COMPILE_MODES,
         help="torch.compile's mode for both compiled modes (default: torch's default)",
     )
+    p.add_argument(
+        "--graphs",
+        action="store_true",
+        help="also o1_graphs and aiak_graphs: the eager modes replayed from CUDA graphs (CUDA)",
+    )
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--out", type=Path, default=RESULTS, help="folder of e2e.csv / e2e.png")
     args = p.parse_args(argv)
@@ -246,6 +259,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if getattr(args, flag) < 1:
             p.error(f"--{flag} must be >= 1")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.graphs and device.type != "cuda":
+        p.error(f"--graphs needs a CUDA device, got {device}")
     rows = []
     path = args.out / "e2e.csv"
     for name in names:

@@ -4,14 +4,16 @@ A recipe defines ``build(aiak, tiny, device, batch) -> Run``: with ``aiak=False`
 picks without aiak (O1: torch.autocast + GradScaler, torch's optimizer), with ``aiak=True``
 the aiak set-up (O2 by ``aiak.amp.decorate``, a fused optimizer, and the recipe's op).
 ``--compile`` wraps the model in ``torch.compile`` (``--compile-mode reduce-overhead``: with
-CUDA graphs). Under ``aiakrun -np N`` (``WORLD_SIZE``
-> 1) the model is wrapped in DDP first (the communication hooks come from aiakrun's flags).
+CUDA graphs); ``--cuda-graphs`` keeps the model eager and replays its forward and backward from
+CUDA graphs (:meth:`Run.graph`). Under ``aiakrun -np N`` (``WORLD_SIZE`` > 1) the model is
+wrapped in DDP first (the communication hooks come from aiakrun's flags).
 ``benchmarks/bench_e2e.py`` builds the same runs and times them side by side.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -41,14 +43,55 @@ class Run:
     loss_fn: Callable[[Callable[..., Any], Any], torch.Tensor]  # (forward, batch) -> loss
     device: torch.device
     scaler: torch.amp.GradScaler | None = None
-    forward: Callable[..., Any] | None = None  # the model, compiled or DDP-wrapped
+    forward: Callable[..., Any] | None = None  # the model, compiled, graphed or DDP-wrapped
+    graphed: bool = False
 
     def __post_init__(self) -> None:
         if self.forward is None:
             self.forward = self.model
 
     def compile(self, **kwargs: Any) -> Run:
+        if self.graphed:
+            raise ValueError("Run.compile: the model is already graphed (Run.graph)")
         self.forward = torch.compile(self.forward, **kwargs)
+        return self
+
+    def graph(self) -> Run:
+        """Replays the model's forward and backward from CUDA graphs, the model left eager
+        (``torch.cuda.make_graphed_callables``): a step launches two graphs instead of the
+        model's kernels one by one from Python, so a host-bound eager step (Swin-T) takes its
+        kernels' time. The loss, the scaler and the optimizer stay eager. CUDA, one process,
+        the bare model (before torch.compile or DDP), and batches of the first batch's shapes.
+        """
+        if self.device.type != "cuda":
+            raise ValueError(f"Run.graph: CUDA graphs need a CUDA device, got {self.device}")
+        if self.graphed or self.forward is not self.model:
+            raise ValueError(
+                "Run.graph: graph the bare model once, before torch.compile or DDP wrap it"
+            )
+        inputs: list[Any] = []
+
+        def take(*args: Any, **kwargs: Any) -> Any:
+            if kwargs:
+                raise TypeError(
+                    f"Run.graph: the loss calls the model with keywords {sorted(kwargs)}; "
+                    "CUDA graphs take positional tensors"
+                )
+            inputs.extend(args)
+            raise _InputsTaken
+
+        with contextlib.suppress(_InputsTaken):
+            self.loss_fn(take, self.next_batch())
+        if not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
+            raise TypeError("Run.graph: the model's inputs must be one or more tensors")
+        # Clones: a graph copies each batch into its sample's storage, which must not be a
+        # buffer the data pipeline reuses.
+        sample = tuple(t.detach().clone() for t in inputs)
+        # torch refuses autocast's weight-cast cache across graphs; O1's casts are then
+        # captured inside the forward graph (O2's model runs with autocast off anyway).
+        with torch.autocast(self.device.type, dtype=half_dtype(self.device), cache_enabled=False):
+            self.forward = torch.cuda.make_graphed_callables(self.model, sample)
+        self.graphed = True
         return self
 
     def step(self) -> torch.Tensor:
@@ -64,6 +107,10 @@ class Run:
             loss.backward()
             self.optimizer.step()
         return loss.detach()
+
+
+class _InputsTaken(Exception):
+    """Stops :meth:`Run.graph`'s look at the model's inputs before the model runs."""
 
 
 def scaler_for(device: torch.device, aiak: bool) -> torch.amp.GradScaler | None:
@@ -88,6 +135,11 @@ def parse(description: str, batch: int, tiny_batch: int) -> argparse.Namespace:
         help="torch.compile's mode (with --compile); reduce-overhead: CUDA graphs",
     )
     p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="eager model, forward and backward replayed from CUDA graphs (one process)",
+    )
+    p.add_argument(
         "--aiak",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -103,11 +155,20 @@ def parse(description: str, batch: int, tiny_batch: int) -> argparse.Namespace:
         p.error(f"--steps must be >= 1, got {args.steps}")
     if args.compile_mode and not args.compile:
         p.error("--compile-mode needs --compile")
+    if args.cuda_graphs and args.compile:
+        p.error(
+            "--cuda-graphs and --compile exclude each other (CUDA graphs with compile: "
+            "--compile --compile-mode reduce-overhead)"
+        )
     if args.batch is None:
         args.batch = tiny_batch if args.tiny else batch
     if args.batch < 1:
         p.error(f"--batch must be >= 1, got {args.batch}")
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.cuda_graphs and args.device.type != "cuda":
+        p.error(f"--cuda-graphs needs a CUDA device, got {args.device}")
+    if args.cuda_graphs and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        p.error("--cuda-graphs runs in one process; under a launcher use --compile instead")
     return args
 
 
@@ -141,6 +202,8 @@ def main(build: Callable[..., Run], description: str, batch: int, tiny_batch: in
     try:
         if args.compile:
             run.compile(mode=args.compile_mode)
+        if args.cuda_graphs:
+            run.graph()
         losses, t0 = [], None
         for i in range(args.steps):
             if i == min(2, args.steps - 1):  # compile and warm-up stay out of the time
@@ -154,6 +217,7 @@ def main(build: Callable[..., Run], description: str, batch: int, tiny_batch: in
         ms = (time.perf_counter() - t0) * 1e3 / timed
         first, last = float(losses[0]), float(losses[-1])
         mode = ("aiak" if args.aiak else "O1") + (" + compile" if args.compile else "")
+        mode += " + CUDA graphs" if args.cuda_graphs else ""
         if int(os.environ.get("RANK", "0")) == 0:
             print(
                 f"{mode}: loss {first:.4f} -> {last:.4f} over {args.steps} steps, {ms:.1f} ms/step"

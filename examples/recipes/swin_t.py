@@ -4,6 +4,7 @@
     python examples/recipes/swin_t.py [--steps 20] [--compile] [--no-aiak] [--batch 64]
     aiakrun -np 8 -- python examples/recipes/swin_t.py --compile
     python examples/recipes/swin_t.py --compile --compile-mode reduce-overhead   # CUDA graphs
+    python examples/recipes/swin_t.py --cuda-graphs   # eager model, forward + backward graphed
     python examples/recipes/swin_t.py --tiny --device cpu    # no timm: a small torch.nn Swin
 
 ``--no-aiak``: timm's model under torch.autocast with torch's fused AdamW (O1), the baseline.

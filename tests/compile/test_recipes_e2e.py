@@ -6,6 +6,7 @@ run); the losses are: every mode trains the same steps on the same data."""
 from __future__ import annotations
 
 import csv
+import importlib
 import importlib.util
 import math
 import os
@@ -15,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ("swin_t", "resnet50", "bert_lamb", "yolox_simota")
@@ -55,6 +57,67 @@ def test_recipe_flags_are_checked() -> None:
         env=ENV, capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert done.returncode == 2 and "--compile-mode needs --compile" in done.stderr
+
+
+def _build(recipe: str, monkeypatch: pytest.MonkeyPatch, **kwargs):
+    monkeypatch.syspath_prepend(str(ROOT / "examples" / "recipes"))
+    return importlib.import_module(recipe).build(tiny=True, batch=4, **kwargs)
+
+
+def test_graph_needs_cuda_and_the_bare_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    run = _build("bert_lamb", monkeypatch, aiak=False, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        run.graph()
+    run.device = torch.device("cuda")  # the checks before any CUDA work
+    run.forward = lambda x: x
+    with pytest.raises(ValueError, match=r"before torch\.compile or DDP"):
+        run.graph()
+
+
+def test_cuda_graph_flags_are_checked(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    monkeypatch.syspath_prepend(str(ROOT / "examples" / "recipes"))
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    recipe, bench_e2e = importlib.import_module("_recipe"), importlib.import_module("bench_e2e")
+    for flags, message in (
+        (["--cuda-graphs", "--compile"], "--cuda-graphs and --compile exclude each other"),
+        (["--cuda-graphs", "--device", "cpu"], "--cuda-graphs needs a CUDA device"),
+    ):
+        monkeypatch.setattr(sys, "argv", ["swin_t.py", "--tiny", *flags])
+        with pytest.raises(SystemExit) as exit_:
+            recipe.parse("a recipe", batch=64, tiny_batch=4)
+        assert exit_.value.code == 2 and message in capsys.readouterr().err, flags
+    with pytest.raises(SystemExit) as exit_:
+        bench_e2e.main(["--quick", "--graphs", "--device", "cpu", "--out", str(tmp_path)])
+    assert exit_.value.code == 2 and "--graphs needs a CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("aiak", [False, True])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_graphed_run_trains_like_the_eager_one_on_cuda(
+    recipe: str, aiak: bool, cuda_device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``Run.graph`` (the model's forward and backward replayed from CUDA graphs): O1's
+    autocast casts, O2's model, aiak's window attention and the fused optimizers inside or
+    after the graphs train the same steps as the eager run."""
+    eager = _build(recipe, monkeypatch, aiak=aiak, device=cuda_device)
+    graphed = _build(recipe, monkeypatch, aiak=aiak, device=cuda_device).graph()
+    assert graphed.graphed
+    eager.next_batch()  # graph() took one batch to learn the inputs: same data from here on
+    for _ in range(4):
+        loss, loss_g = eager.step(), graphed.step()
+        torch.testing.assert_close(loss_g, loss, rtol=1e-2, atol=1e-3)
+    # Adam and LAMB move an element by about lr whatever its gradient's size: where a tiny
+    # gradient differs in sign between the runs (the graphs' cuBLAS kernels round otherwise),
+    # the element differs by up to 2 x lr a step (swin_t's AdamW: lr 1e-3, 4 steps).
+    # (SGD's step is proportional to the gradient: no such margin.)
+    adaptive = any(k in type(eager.optimizer).__name__ for k in ("Adam", "LAMB"))
+    lr = max(g["lr"] for g in eager.optimizer.param_groups)
+    atol = 8 * lr if adaptive else 1e-3
+    for p, p_g in zip(eager.model.parameters(), graphed.model.parameters(), strict=True):
+        torch.testing.assert_close(p_g.float(), p.float(), rtol=1e-2, atol=atol)
 
 
 @pytest.mark.slow
