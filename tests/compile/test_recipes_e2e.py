@@ -88,6 +88,12 @@ def test_cuda_graph_flags_are_checked(
         with pytest.raises(SystemExit) as exit_:
             recipe.parse("a recipe", batch=64, tiny_batch=4)
         assert exit_.value.code == 2 and message in capsys.readouterr().err, flags
+    monkeypatch.setenv("WORLD_SIZE", "2")  # under aiakrun: DDP around graphs is not wired up
+    monkeypatch.setattr(sys, "argv", ["swin_t.py", "--tiny", "--cuda-graphs", "--device", "cuda"])
+    with pytest.raises(SystemExit) as exit_:
+        recipe.parse("a recipe", batch=64, tiny_batch=4)
+    assert exit_.value.code == 2 and "--cuda-graphs runs in one process" in capsys.readouterr().err
+    monkeypatch.delenv("WORLD_SIZE")
     with pytest.raises(SystemExit) as exit_:
         bench_e2e.main(["--quick", "--graphs", "--device", "cpu", "--out", str(tmp_path)])
     assert exit_.value.code == 2 and "--graphs needs a CUDA device" in capsys.readouterr().err
