@@ -37,6 +37,7 @@ import csv
 import gc
 import importlib
 import importlib.util
+import math
 import statistics
 import sys
 import time
@@ -212,7 +213,7 @@ def _plot(rows: list[dict], out: Path) -> Path | None:
     width = 0.8 / len(modes)
     for i, mode in enumerate(modes):
         ys = [
-            next((r["vs_o1"] for r in ok if r["recipe"] == n and r["mode"] == mode), 0.0)
+            next((r["vs_o1"] for r in ok if r["recipe"] == n and r["mode"] == mode), math.nan)
             for n in recipes
         ]
         ax.bar([k + i * width for k in range(len(recipes))], ys, width, label=mode)
