@@ -25,6 +25,14 @@ that way: with CUDA graphs a host-bound step shows its kernels' time, so the sam
 both modes tells how much of a compiled step is the host's (the ``compile_mode`` column).
 ``--graphs`` (CUDA) adds ``o1_graphs`` and ``aiak_graphs``: the eager set-ups with the model's
 forward and backward replayed from CUDA graphs (the recipes' ``Run.graph``), no compiler.
+``--modes`` times a subset of the six (``vs_o1`` / ``vs_o1_compile`` are NaN without
+their baseline).
+
+``--ddp`` (under ``torchrun`` or ``aiakrun -np N``) wraps every mode's model in
+DistributedDataParallel on the launcher's process group, in the recipes' order: graphed, then
+wrapped, then compiled (``torch.compile(ddp_model)``); every rank runs the same rounds, rank 0
+reports (the ``ddp`` and ``world_size`` columns). Under a launcher without ``--ddp`` each rank
+would time its own single-GPU copy, so ``--ddp`` is required there.
 
 A recipe whose model needs timm or torchvision is skipped, with the reason printed and kept
 in the CSV, when the package is missing (``--quick`` needs neither).
@@ -34,10 +42,12 @@ from __future__ import annotations
 
 import argparse
 import csv
+import datetime
 import gc
 import importlib
 import importlib.util
 import math
+import os
 import statistics
 import sys
 import time
@@ -115,23 +125,27 @@ def bench_recipe(name: str, args: argparse.Namespace, device: torch.device) -> l
         print(f"{name}: {reason}")
         return [{"recipe": name, "mode": "", "status": reason}]
     recipe = importlib.import_module(name)
-    modes = MODES + (GRAPH_MODES if args.graphs else ())
+    modes = args.modes
     runs = {}
     for mode in modes:
         run = recipe.build(
             aiak=mode.startswith("aiak"), tiny=args.quick, device=device, batch=batch
         )
+        if mode.endswith("graphs"):
+            run.graph()  # before DDP wraps the model (Run.graph)
+        if args.ddp:
+            ids = [device.index] if device.type == "cuda" else None
+            run.forward = torch.nn.parallel.DistributedDataParallel(run.model, device_ids=ids)
         if mode.endswith("compile"):
             run.compile(backend=args.backend, mode=args.compile_mode)
-        if mode.endswith("graphs"):
-            run.graph()
         runs[mode] = run
     compile_s = {}
     for mode, run in runs.items():  # warm-up: compilation, allocator, autotuning
         t0 = time.perf_counter()
         _steps(run, args.warmup)
         compile_s[mode] = time.perf_counter() - t0
-        print(f"{name} {mode}: warm-up {compile_s[mode]:.1f} s", flush=True)
+        if _rank() == 0:
+            print(f"{name} {mode}: warm-up {compile_s[mode]:.1f} s", flush=True)
     times: dict[str, list[float]] = {m: [] for m in modes}
     peaks: dict[str, int] = dict.fromkeys(modes, 0)
     losses: dict[str, float] = {}
@@ -153,14 +167,16 @@ def bench_recipe(name: str, args: argparse.Namespace, device: torch.device) -> l
                 "batch": batch,
                 "backend": args.backend,
                 "compile_mode": args.compile_mode or "default",
+                "ddp": args.ddp,
+                "world_size": _world_size() if args.ddp else 1,
                 "ms_step": med[mode],
                 "ms_rounds": " ".join(f"{t:.2f}" for t in times[mode]),
-                "vs_o1": med["o1"] / med[mode],
-                "vs_o1_compile": med["o1_compile"] / med[mode],
+                "vs_o1": med.get("o1", math.nan) / med[mode],
+                "vs_o1_compile": med.get("o1_compile", math.nan) / med[mode],
                 "step_peak_mib": peaks[mode] / 2**20,
                 "state_mib": _state_bytes(runs[mode]) / 2**20,
                 "loss": losses[mode],
-                "loss_vs_o1": losses[mode] / losses["o1"] if losses["o1"] else float("nan"),
+                "loss_vs_o1": losses[mode] / losses["o1"] if losses.get("o1") else math.nan,
                 "warmup_s": compile_s[mode],
                 "steps": args.warmup + args.rounds * args.steps,
             }
@@ -170,6 +186,28 @@ def bench_recipe(name: str, args: argparse.Namespace, device: torch.device) -> l
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rows
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _init_ddp(device: torch.device) -> torch.device:
+    """The launcher's process group (NCCL on CUDA, gloo on a CPU); this rank's device."""
+    import torch.distributed as dist
+
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    # compilation runs between the warm-up's collectives: minutes, not torch's 30 (gloo)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=10)
+    )
+    return device
 
 
 def _write(rows: list[dict], out: Path) -> Path:
@@ -249,6 +287,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
         action="store_true",
         help="also o1_graphs and aiak_graphs: the eager modes replayed from CUDA graphs (CUDA)",
     )
+    p.add_argument(
+        "--modes",
+        default=None,
+        help=f"comma-separated subset of {','.join(MODES + GRAPH_MODES)} (default: the four, "
+        "and the two graphed ones with --graphs)",
+    )
+    p.add_argument(
+        "--ddp",
+        action="store_true",
+        help="every mode's model in DDP (under torchrun / aiakrun -np N; rank 0 reports)",
+    )
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--out", type=Path, default=RESULTS, help="folder of e2e.csv / e2e.png")
     args = p.parse_args(argv)
@@ -260,14 +309,42 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if getattr(args, flag) < 1:
             p.error(f"--{flag} must be >= 1")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.modes is None:
+        args.modes = MODES + (GRAPH_MODES if args.graphs else ())
+    else:
+        args.modes = tuple(m for m in args.modes.split(",") if m)
+        bad = [m for m in args.modes if m not in MODES + GRAPH_MODES]
+        if bad or not args.modes or len(set(args.modes)) != len(args.modes):
+            p.error(f"--modes: {args.modes} must be distinct modes of {MODES + GRAPH_MODES}")
     if args.graphs and device.type != "cuda":
         p.error(f"--graphs needs a CUDA device, got {device}")
+    if set(args.modes) & set(GRAPH_MODES) and device.type != "cuda":
+        p.error(f"--modes: the graphed modes need a CUDA device, got {device}")
+    launched = "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+    if args.ddp and not launched:
+        p.error("--ddp runs under a launcher: torchrun or aiakrun -np N -- python bench_e2e.py")
+    if launched and _world_size() > 1 and not args.ddp:
+        p.error("under a launcher with several ranks, pass --ddp (else each rank times a copy)")
+    if args.ddp:
+        device = _init_ddp(device)
+    try:
+        rows = _bench(names, args, device)
+    finally:
+        if args.ddp:
+            torch.distributed.destroy_process_group()  # after bench_recipe dropped its models
+    return rows
+
+
+def _bench(names: list[str], args: argparse.Namespace, device: torch.device) -> list[dict]:
     rows = []
     path = args.out / "e2e.csv"
     for name in names:
         recipe_rows = bench_recipe(name, args, device)
-        path = _write(recipe_rows, args.out)  # per recipe: a run cut short keeps what it did
+        if _rank() == 0:  # per recipe: a run cut short keeps what it did
+            path = _write(recipe_rows, args.out)
         rows += recipe_rows
+    if _rank() != 0:
+        return rows
     cols = ["recipe", "mode", "ms_step", "vs_o1", "vs_o1_compile", "step_peak_mib"]
     ok = [r for r in rows if r["status"] == "ok"]
     if ok:

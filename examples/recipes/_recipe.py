@@ -6,7 +6,8 @@ the aiak set-up (O2 by ``aiak.amp.decorate``, a fused optimizer, and the recipe'
 ``--compile`` wraps the model in ``torch.compile`` (``--compile-mode reduce-overhead``: with
 CUDA graphs); ``--cuda-graphs`` keeps the model eager and replays its forward and backward from
 CUDA graphs (:meth:`Run.graph`). Under ``aiakrun -np N`` (``WORLD_SIZE`` > 1) the model is
-wrapped in DDP first (the communication hooks come from aiakrun's flags).
+wrapped in DDP (the communication hooks come from aiakrun's flags): after graphing, before
+compiling.
 ``benchmarks/bench_e2e.py`` builds the same runs and times them side by side.
 """
 
@@ -60,8 +61,19 @@ class Run:
         """Replays the model's forward and backward from CUDA graphs, the model left eager
         (``torch.cuda.make_graphed_callables``): a step launches two graphs instead of the
         model's kernels one by one from Python, so a host-bound eager step (Swin-T) takes its
-        kernels' time. The loss, the scaler and the optimizer stay eager. CUDA, one process,
-        the bare model (before torch.compile or DDP), and batches of the first batch's shapes.
+        kernels' time. The loss, the scaler and the optimizer stay eager. CUDA, the bare model
+        (before torch.compile or DDP), and batches of the first batch's shapes.
+
+        Under DDP, graph first and wrap after: DDP's reducer then sees each parameter's
+        gradient when the backward graph's replay hands them to autograd, and its bucket
+        allreduces (and any communication hook) run outside the graphs, after the whole
+        backward: they no longer overlap it.
+
+        The gradients the backward graph hands over are its own static buffers: a parameter
+        whose ``.grad`` is None takes the buffer itself, which the next replay overwrites.
+        :meth:`step` zeroes with ``set_to_none=True`` before every backward, so each step's
+        gradients are read before they are overwritten; a loop that accumulates over several
+        backwards must zero with ``set_to_none=False`` (autograd then adds into ``.grad``).
         """
         if self.device.type != "cuda":
             raise ValueError(f"Run.graph: CUDA graphs need a CUDA device, got {self.device}")
@@ -137,7 +149,7 @@ def parse(description: str, batch: int, tiny_batch: int) -> argparse.Namespace:
     p.add_argument(
         "--cuda-graphs",
         action="store_true",
-        help="eager model, forward and backward replayed from CUDA graphs (one process)",
+        help="eager model, forward and backward replayed from CUDA graphs (DDP: outside them)",
     )
     p.add_argument(
         "--aiak",
@@ -167,8 +179,6 @@ def parse(description: str, batch: int, tiny_batch: int) -> argparse.Namespace:
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.cuda_graphs and args.device.type != "cuda":
         p.error(f"--cuda-graphs needs a CUDA device, got {args.device}")
-    if args.cuda_graphs and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        p.error("--cuda-graphs runs in one process; under a launcher use --compile instead")
     return args
 
 
@@ -178,9 +188,6 @@ def _maybe_ddp(run: Run) -> Callable[[], None]:
         return lambda: None
     import torch.distributed as dist
 
-    if run.device.type == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
     dist.init_process_group()
     ids = [run.device.index] if run.device.type == "cuda" else None
     run.forward = nn.parallel.DistributedDataParallel(run.model, device_ids=ids)
@@ -197,13 +204,15 @@ def main(build: Callable[..., Run], description: str, batch: int, tiny_batch: in
     device = args.device
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # the graphs' capture runs on the current device
     run = build(aiak=args.aiak, tiny=args.tiny, device=device, batch=args.batch)
+    if args.cuda_graphs:
+        run.graph()  # before DDP wraps the model (Run.graph)
     done = _maybe_ddp(run)
     try:
         if args.compile:
             run.compile(mode=args.compile_mode)
-        if args.cuda_graphs:
-            run.graph()
         losses, t0 = [], None
         for i in range(args.steps):
             if i == min(2, args.steps - 1):  # compile and warm-up stay out of the time
