@@ -5,6 +5,7 @@
     aiakrun -np 8 -- python examples/recipes/swin_t.py --compile
     python examples/recipes/swin_t.py --compile --compile-mode reduce-overhead   # CUDA graphs
     python examples/recipes/swin_t.py --cuda-graphs   # eager model, forward + backward graphed
+    aiakrun -np 8 -- python examples/recipes/swin_t.py --cuda-graphs   # graphed, then DDP
     python examples/recipes/swin_t.py --tiny --device cpu    # no timm: a small torch.nn Swin
 
 ``--no-aiak``: timm's model under torch.autocast with torch's fused AdamW (O1), the baseline.
