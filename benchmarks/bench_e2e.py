@@ -134,8 +134,7 @@ def bench_recipe(name: str, args: argparse.Namespace, device: torch.device) -> l
         if mode.endswith("graphs"):
             run.graph()  # before DDP wraps the model (Run.graph)
         if args.ddp:
-            ids = [device.index] if device.type == "cuda" else None
-            run.forward = torch.nn.parallel.DistributedDataParallel(run.model, device_ids=ids)
+            run.ddp()
         if mode.endswith("compile"):
             run.compile(backend=args.backend, mode=args.compile_mode)
         runs[mode] = run

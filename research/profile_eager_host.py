@@ -69,6 +69,19 @@ def phased_step(run, times: dict[str, list[float]] | None) -> None:
             times[name].append((b - a) * 1e3)
 
 
+def timed_phases(run, steps: int) -> str:
+    """``steps`` steps: their synchronised mean, and each phase's median host time."""
+    times: dict[str, list[float]] = defaultdict(list)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        phased_step(run, times)
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) * 1e3 / steps
+    split = ", ".join(f"{p} {statistics.median(times[p]):.2f}" for p in PHASES)
+    return f"step {wall:.2f} ms (synchronised mean); host medians ms: {split}"
+
+
 def python_profile(run, steps: int, top: int, title: str) -> None:
     prof_py = cProfile.Profile()
     prof_py.enable()
@@ -113,16 +126,8 @@ def profile_recipe(
             detach_static_outputs(run.model)
     for _ in range(5):
         phased_step(run, None)
-    torch.cuda.synchronize()
-    times: dict[str, list[float]] = defaultdict(list)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        phased_step(run, times)
-    torch.cuda.synchronize()
-    wall = (time.perf_counter() - t0) * 1e3 / steps
     label = f"{name} {'aiak' if aiak else 'O1'}" + (f" graphs {graphs}" if graphs else "")
-    split = ", ".join(f"{p} {statistics.median(times[p]):.2f}" for p in PHASES)
-    print(f"\n=== {label}: step {wall:.2f} ms (synchronised mean); host medians ms: {split}")
+    print(f"\n=== {label}: {timed_phases(run, steps)}")
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         phased_step(run, None)
@@ -146,15 +151,7 @@ def profile_recipe(
     python_profile(run, steps, top, f"{label}: cProfile over {steps} steps, by own time")
     if rounds:
         for r in range(rounds):
-            times = defaultdict(list)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                phased_step(run, times)
-            torch.cuda.synchronize()
-            wall = (time.perf_counter() - t0) * 1e3 / steps
-            split = ", ".join(f"{p} {statistics.median(times[p]):.2f}" for p in PHASES)
-            print(f"{label} round {r}: step {wall:.2f} ms; host medians ms: {split}")
+            print(f"{label} round {r}: {timed_phases(run, steps)}")
         python_profile(run, steps, top, f"{label}: cProfile after {rounds} rounds")
     del run
     torch.cuda.empty_cache()

@@ -57,6 +57,15 @@ class Run:
         self.forward = torch.compile(self.forward, **kwargs)
         return self
 
+    def ddp(self, **kwargs: Any) -> Run:
+        """Wraps the model in DistributedDataParallel (``kwargs`` go to DDP): after
+        :meth:`graph`, before :meth:`compile` (``torch.compile`` of the DDP model)."""
+        if self.forward is not self.model:
+            raise ValueError("Run.ddp: wrap the model before torch.compile, and only once")
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        self.forward = nn.parallel.DistributedDataParallel(self.model, device_ids=ids, **kwargs)
+        return self
+
     def graph(self) -> Run:
         """Replays the model's forward and backward from CUDA graphs, the model left eager
         (``torch.cuda.make_graphed_callables``): a step launches two graphs instead of the
@@ -189,8 +198,7 @@ def _maybe_ddp(run: Run) -> Callable[[], None]:
     import torch.distributed as dist
 
     dist.init_process_group()
-    ids = [run.device.index] if run.device.type == "cuda" else None
-    run.forward = nn.parallel.DistributedDataParallel(run.model, device_ids=ids)
+    run.ddp()
 
     def done() -> None:
         run.forward = None

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from aiak import comm
 
@@ -43,10 +42,9 @@ def train(recipe, aiak: bool, hook: str, graphed: bool) -> tuple[list, list, flo
         run.graph()
     else:
         run.next_batch()  # graph() takes one batch to learn the inputs: same data from here
-    ddp = DDP(run.model, device_ids=[LOCAL])
+    run.ddp()
     if hook == "fp16":
-        comm.register(ddp, comm.fp16_compress())
-    run.forward = ddp
+        comm.register(run.forward, comm.fp16_compress())
     losses = [run.step() for _ in range(STEPS)]
     params = [p.detach().float().clone() for p in run.model.parameters()]
     lr = max(g["lr"] for g in run.optimizer.param_groups)
@@ -63,7 +61,7 @@ def main() -> None:
         losses, params, atol = train(recipe, aiak, hook, graphed=False)
         losses_g, params_g, _ = train(recipe, aiak, hook, graphed=True)
         # the ranks' data differ: their first losses do too
-        first = torch.stack([losses_g[0].float()] * dist.get_world_size())
+        first = torch.empty(dist.get_world_size(), device=losses_g[0].device)
         dist.all_gather_into_tensor(first, losses_g[0].float().reshape(1))
         assert first[0] != first[1], f"rank {RANK}: both ranks saw the same data {first}"
         for step, (a, b) in enumerate(zip(losses_g, losses, strict=True)):

@@ -58,6 +58,8 @@ def test_graph_needs_cuda_and_the_bare_model(monkeypatch: pytest.MonkeyPatch) ->
     run.forward = lambda x: x
     with pytest.raises(ValueError, match=r"before torch\.compile or DDP"):
         run.graph()
+    with pytest.raises(ValueError, match=r"Run\.ddp: wrap the model before torch\.compile"):
+        run.ddp()  # the forward is no longer the bare model (compiled, or already wrapped)
 
 
 def test_recipe_flags_are_checked(
