@@ -86,6 +86,12 @@ def _dim3(what: str, value: Any) -> tuple[int, int, int]:
     return (*dims, 1, 1)[:3]  # type: ignore[return-value]
 
 
+# Checked launch numbers of tuple grids (a plan's grids repeat every call): checking them again
+# costs a launch about 13 µs of host time on the lent machines' hosts.
+_DIMS: dict[tuple, tuple[int, ...]] = {}
+_DIMS_KEEP = 4096
+
+
 def _dims(grid: Any, block: Any, shared_mem: Any) -> tuple[int, ...]:
     """The seven launch numbers, checked: packed as unsigned 32-bit, an out-of-range value
     would wrap silently."""
@@ -179,7 +185,12 @@ class Kernel:
         ):
             dims = (grid, 1, 1, block, 1, 1, 0)
         else:
-            dims = _dims(grid, block, shared_mem)
+            try:
+                dims = _DIMS[grid, block, shared_mem]
+            except (KeyError, TypeError):  # not seen yet, or a list (unhashable): check it
+                dims = _dims(grid, block, shared_mem)
+                if len(_DIMS) < _DIMS_KEEP and type(grid) is tuple and type(block) is not list:
+                    _DIMS[grid, block, shared_mem] = dims
         device = _cuda.device_index()
         handle = self._handles.get(device)
         if handle is None:
