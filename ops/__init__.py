@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from aiak.ops import _capability, _cuda, _host
+from aiak.ops import batch_norm_act as _batch_norm_act  # noqa: F401 (registers the op)
 from aiak.ops import dgc_segments as _dgc_segments  # noqa: F401 (registers the op)
 from aiak.ops import dgc_select as _dgc_select  # noqa: F401 (registers aiak::dgc_select)
 from aiak.ops.cast_scale import cast_scale_
