@@ -18,13 +18,13 @@ cannot run fused: such modules stay as they are, with a warning.
 
 from __future__ import annotations
 
-import types
 import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
+from aiak.ops._bound import Bound
 from aiak.ops.window_attention import (
     roll_window_partition,
     window_attention_qkv,
@@ -183,8 +183,8 @@ def convert(model: nn.Module) -> nn.Module:
         raise TypeError("convert: pass the model that contains the WindowAttention, not it")
     for block in model.modules():
         if _convertible_block(block) and not hasattr(block, "_aiak_timm_attn"):
-            block._aiak_timm_attn = block._attn
-            block._attn = types.MethodType(_fused_block_attn, block)
+            block._aiak_timm_attn = Bound(type(block)._attn, block)
+            block._attn = Bound(_fused_block_attn, block)
     if seen == 0 and not any(isinstance(m, FusedWindowAttention) for m in model.modules()):
         warnings.warn("convert: no Swin WindowAttention module found", RuntimeWarning, stacklevel=2)
     return model

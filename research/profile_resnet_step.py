@@ -11,7 +11,9 @@ each built from the same weights and data pool:
 - ``o1_fused``: ``o1`` with ``aiak.optim.FusedSGD``;
 - ``o2_torch``: ``aiak.amp.decorate`` (O2) with torch SGD foreach, aiak's GradScaler, o1's data;
 - ``o2_fused``: O2 + FusedSGD, o1's data;
-- ``aiak``: the recipe's aiak set-up (O2 + FusedSGD + CudaPrefetcher + GPU normalise).
+- ``o2_fused_bn``: ``o2_fused`` with batch norm + (add +) ReLU fused (``aiak.ops.resnet``);
+- ``aiak``: the recipe's aiak set-up (``resnet.convert`` + O2 + FusedSGD + CudaPrefetcher +
+  GPU normalise).
 
 Per variant: the median step time over ``--rounds`` interleaved rounds of ``--steps`` steps
 (host-timed, synchronised), then one profiled step: the GPU kernel time and count, the host
@@ -37,7 +39,7 @@ from torch.nn import functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "recipes"))
 
 PHASES = ("zero_grad", "data", "forward", "backward", "optimizer")
-VARIANTS = ("o1", "o1_fused", "o2_torch", "o2_fused", "aiak")
+VARIANTS = ("o1", "o1_fused", "o2_torch", "o2_fused", "o2_fused_bn", "aiak")
 FAMILIES = (  # first match wins
     (
         "conv (cudnn)",
@@ -64,8 +66,12 @@ def build(variant: str, batch: int):
         return run.step
     torch.manual_seed(0)
     model = torchvision.models.resnet50().cuda().to(memory_format=torch.channels_last)
+    if variant == "o2_fused_bn":
+        from aiak.ops import resnet
+
+        resnet.convert(model)
     kw = dict(lr=0.1, momentum=0.9, weight_decay=1e-4)
-    fused = variant in ("o1_fused", "o2_fused")
+    fused = variant in ("o1_fused", "o2_fused", "o2_fused_bn")
     opt = (
         FusedSGD(model.parameters(), **kw)
         if fused

@@ -1,6 +1,7 @@
-"""ResNet-50 training: torchvision ``resnet50`` (channels_last) with O2 (``aiak.amp.decorate``),
-``FusedSGD``, and ``aiak.data.CudaPrefetcher`` copying uint8 images on a side stream and
-normalising them on the GPU (4x fewer bytes cross PCIe than float images).
+"""ResNet-50 training: torchvision ``resnet50`` (channels_last) with batch norm + (add +) ReLU
+fused (``aiak.ops.resnet.convert``), O2 (``aiak.amp.decorate``), ``FusedSGD``, and
+``aiak.data.CudaPrefetcher`` copying uint8 images on a side stream and normalising them on the
+GPU (4x fewer bytes cross PCIe than float images).
 
     python examples/recipes/resnet50.py [--steps 20] [--compile] [--no-aiak] [--batch 128]
     aiakrun -np 8 -- python examples/recipes/resnet50.py --compile
@@ -51,8 +52,10 @@ def build(aiak: bool, tiny: bool, device: torch.device, batch: int) -> Run:
     if aiak:
         import aiak.amp
         from aiak.data import CudaPrefetcher, normalize
+        from aiak.ops import resnet
         from aiak.optim import FusedSGD
 
+        resnet.convert(model)
         opt = FusedSGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
         aiak.amp.decorate(model, opt, dtype=half_dtype(device))
         batches = iter(

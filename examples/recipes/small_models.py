@@ -136,23 +136,28 @@ class SwinLike(nn.Module):
         return self.head(self.norm(self.blocks(x)).mean((1, 2)))
 
 
-class _Basic(nn.Module):
+class BasicBlock(nn.Module):
+    """torchvision's BasicBlock: its attribute names and forward (``aiak.ops.resnet.convert``
+    recognises it)."""
+
     def __init__(self, cin: int, cout: int, stride: int) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
         self.bn1 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
         self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
         self.bn2 = nn.BatchNorm2d(cout)
-        self.down = None
+        self.downsample = None
         if stride != 1 or cin != cout:
-            self.down = nn.Sequential(
+            self.downsample = nn.Sequential(
                 nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        skip = x if self.down is None else self.down(x)
-        y = torch.relu(self.bn1(self.conv1(x)))
-        return torch.relu(self.bn2(self.conv2(y)) + skip)
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x)))))
+        out += identity
+        return self.relu(out)
 
 
 class ResNetLike(nn.Module):
@@ -165,7 +170,7 @@ class ResNetLike(nn.Module):
         )
         layers, cin = [], widths[0]
         for i, w in enumerate(widths):
-            layers.append(_Basic(cin, w, 1 if i == 0 else 2))
+            layers.append(BasicBlock(cin, w, 1 if i == 0 else 2))
             cin = w
         self.layers = nn.Sequential(*layers)
         self.head = nn.Linear(cin, classes)
