@@ -166,6 +166,22 @@ def test_convert_matches_original_forward_and_backward():
         torch.testing.assert_close(p.grad, grads_r[name].grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
+def test_converted_model_pickles_and_deep_copies():
+    import copy
+    import io
+
+    _, conv = _pair_models()
+    x = torch.randn(2, 14, 14, 64)
+    want = conv(x)
+    buf = io.BytesIO()
+    torch.save(conv, buf)  # the converted _attn methods pickle with their blocks
+    buf.seek(0)
+    for again in (torch.load(buf, weights_only=False), copy.deepcopy(conv)):
+        torch.testing.assert_close(again(x), want)
+        block = next(m for m in again.modules() if hasattr(m, "_aiak_timm_attn"))
+        assert block._attn.module is block  # bound to the copy, not the original
+
+
 def test_convert_leaves_attention_dropout_unfused():
     with pytest.warns(RuntimeWarning, match="attention dropout"):
         _, conv = _pair_models(attn_drop=0.1)
