@@ -84,7 +84,7 @@ def _plan(m: int, c: int, dtype: torch.dtype, v: int, dev: int) -> Plan:
                 grid(_PASS_PER_SM), floats)  # fmt: skip
 
 
-# (shape, strides, dtype, device, 16-byte-aligned) -> Plan
+# (shape, dtype, device, 16-byte-aligned) -> Plan; the input's channels are innermost
 _plans: dict[tuple, Plan] = {}
 
 

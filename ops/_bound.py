@@ -13,17 +13,9 @@ __all__ = ["Bound"]
 
 
 class Bound:
-    __slots__ = ("fn", "module")
-
     def __init__(self, fn: Callable[..., Any], module: Any) -> None:
         self.fn = fn
         self.module = module
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(self.module, *args, **kwargs)
-
-    def __getstate__(self) -> tuple[Callable[..., Any], Any]:
-        return self.fn, self.module
-
-    def __setstate__(self, state: tuple[Callable[..., Any], Any]) -> None:
-        self.fn, self.module = state

@@ -189,7 +189,7 @@ class Kernel:
                 dims = _DIMS[grid, block, shared_mem]
             except (KeyError, TypeError):  # not seen yet, or a list (unhashable): check it
                 dims = _dims(grid, block, shared_mem)
-                if len(_DIMS) < _DIMS_KEEP and type(grid) is tuple and type(block) is not list:
+                if len(_DIMS) < _DIMS_KEEP and type(grid) is tuple:
                     _DIMS[grid, block, shared_mem] = dims
         device = _cuda.device_index()
         handle = self._handles.get(device)

@@ -203,8 +203,8 @@ def _check_running(x: torch.Tensor, mean: Any, var: Any) -> None:
 
 
 def _eager_plan(x, weight, bias, residual, running_mean, running_var) -> _bc.Plan | None:
-    """The launch plan when this call can take the eager kernels, else None. The checks here
-    are the fast path's own: the first call of a set-up also passed ``_check``."""
+    """The launch plan when this call (its arguments checked) can take the eager kernels, else
+    None (the op through the dispatcher)."""
     if (
         type(x) not in _PLAIN
         or not x.is_cuda
